@@ -1,0 +1,112 @@
+"""`dgemma` command line: one dispatcher over the sub-commands. User mistakes print one line and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from dgemma.errors import DgemmaError
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory or cached Hugging Face repo id "
+                   "(default: the bundled demo model)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="weight dtype (auto: bfloat16 checkpoints stay bfloat16, else float32)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from dgemma.api import load
+
+    model = load(args.model, dtype=args.dtype, device=args.device)
+    info = model.describe()
+    if args.json:
+        print(json.dumps(info))
+    else:
+        for key, value in info.items():
+            print(f"{key:>22}: {value}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from dgemma.api import load
+    from dgemma.display import print_stream
+
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise DgemmaError("give a PROMPT or --prompt-ids, not both and not neither")
+    prompt = args.prompt if args.prompt_ids is None else _parse_ids(args.prompt_ids)
+    if args.chat and isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    model = load(args.model, dtype=args.dtype, device=args.device)
+    options = {"max_new_tokens": args.max_new_tokens, "max_denoising_steps": args.steps, "t_min": args.t_min,
+               "t_max": args.t_max, "entropy_bound": args.entropy_bound, "seed": args.seed,
+               "sampling": args.sampling, "mode": args.mode, "stop": tuple(args.stop) or None,
+               "ar_temperature": args.ar_temperature}
+    if args.json:
+        print(json.dumps(model.generate(prompt, **options).to_dict()))
+        return 0
+    print_stream(model.stream(prompt, drafts=args.visual, **options), visual=args.visual, show_ids=model.tokenizer is None)
+    return 0
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise DgemmaError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt",
+                       description="Generate with block diffusion (or autoregressively) from a prompt.")
+    p.add_argument("prompt", nargs="?", help="prompt text")
+    p.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 2,651,1024")
+    _add_model(p)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat template")
+    p.add_argument("--max-new-tokens", type=int, help="exact number of tokens at most (default: checkpoint's)")
+    p.add_argument("--steps", type=int, help="maximum denoising steps per canvas")
+    p.add_argument("--t-min", type=float, help="final temperature of the linear schedule")
+    p.add_argument("--t-max", type=float, help="initial temperature of the linear schedule")
+    p.add_argument("--entropy-bound", type=float, help="entropy budget for accepting tokens per step")
+    p.add_argument("--seed", type=int, help="random seed (same seed, same output)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--sampling", choices=["reference", "fast"], help="reference: draw-for-draw as transformers; "
+                   "fast: per-request RNG (default: fast)")
+    p.add_argument("--mode", choices=["diffusion", "autoregressive"], help="decode by diffusion (default) or "
+                   "autoregressively with the encoder")
+    p.add_argument("--ar-temperature", type=float, help="autoregressive mode: sampling temperature (0 = greedy)")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print one JSON object: ids, text, statistics")
+    out.add_argument("--visual", action="store_true", help="show the canvas refining in place, then the text")
+    p.set_defaults(fn=cmd_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dgemma", description="Run, serve and fine-tune DiffusionGemma models.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("info", help="load a checkpoint and describe it")
+    _add_model(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(fn=cmd_info)
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    try:
+        return args.fn(args)
+    except DgemmaError as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

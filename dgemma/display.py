@@ -1,0 +1,48 @@
+"""Terminal output for `dgemma generate`: streamed text, or the canvas refining in place (--visual)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Iterable
+
+from dgemma.api import StreamEvent
+
+
+def print_stream(events: Iterable[StreamEvent], visual: bool = False, show_ids: bool = False) -> None:
+    out, err = sys.stdout, sys.stderr
+    live = visual and out.isatty()
+    drawn = 0
+    result = None
+    for ev in events:
+        if ev.kind == "draft" and live:
+            drawn = _redraw(out, ev.text if not show_ids else " ".join(map(str, ev.token_ids)), drawn)
+        elif ev.kind == "text" and not visual:
+            out.write(ev.text if not show_ids else " ".join(map(str, ev.token_ids)) + " ")
+            out.flush()
+        elif ev.kind == "done":
+            result = ev.result
+    if visual and result is not None:
+        if live:
+            _redraw(out, "", drawn)
+        out.write(result.text if result.text is not None else " ".join(map(str, result.token_ids)))
+    out.write("\n")
+    if result is not None:
+        s = result.stats
+        err.write(f"[{len(result.token_ids)} tokens, {s['seconds']:.2f} s, {s['tokens_per_second']:.1f} tok/s, "
+                  f"steps per canvas {s['steps_per_canvas']}, {s['tokens_per_forward']:.2f} tokens/forward, "
+                  f"finish: {result.finish_reason}]\n")
+
+
+def _redraw(out, text: str, drawn: int) -> int:
+    """Replace the previously drawn block of `drawn` lines with `text`; returns the lines now drawn."""
+    width = max(20, shutil.get_terminal_size().columns)
+    lines = []
+    for para in text.replace("\r", "").split("\n"):
+        lines.extend([para[i:i + width] for i in range(0, len(para), width)] or [""])
+    if drawn:
+        out.write(f"\x1b[{drawn - 1}A\r" if drawn > 1 else "\r")
+        out.write("\x1b[J")
+    out.write("\n".join(lines))
+    out.flush()
+    return len(lines)

@@ -1,0 +1,65 @@
+"""Scheduler state as plain dataclasses: a request, its statistics, and the events the engine emits."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from dgemma.sampling import SamplingParams
+
+
+@dataclass
+class Stats:
+    steps_per_canvas: list[int] = field(default_factory=list)
+    decoder_passes: int = 0
+    eos_tokens: int = 0  # counted in tokens_per_forward, as transformers does
+    t_arrival: float = field(default_factory=time.perf_counter)
+    t_start: float | None = None
+    t_first_commit: float | None = None
+    t_end: float | None = None
+
+    def to_dict(self, n_tokens: int) -> dict:
+        seconds = (self.t_end or time.perf_counter()) - (self.t_start or self.t_arrival)
+        return {
+            "steps_per_canvas": self.steps_per_canvas,
+            "decoder_passes": self.decoder_passes,
+            "tokens_per_forward": (n_tokens + self.eos_tokens) / self.decoder_passes if self.decoder_passes else 0.0,
+            "seconds": seconds,
+            "queue_seconds": (self.t_start or self.t_arrival) - self.t_arrival,
+            "ttft_seconds": (self.t_first_commit - self.t_arrival) if self.t_first_commit else None,
+            "tokens_per_second": n_tokens / seconds if seconds > 0 else 0.0,
+        }
+
+
+@dataclass
+class Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    eos: tuple[int, ...]
+    drafts: bool = False
+    generator: torch.Generator | None = None
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stats: Stats = field(default_factory=Stats)
+
+    @property
+    def budget(self) -> int:
+        return self.params.max_new_tokens - len(self.output)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Event:
+    """draft: the request's current argmax canvas; commit: newly committed ids; finish: the request ended."""
+
+    request_id: str
+    kind: Literal["draft", "commit", "finish"]
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None

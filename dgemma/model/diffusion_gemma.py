@@ -1,0 +1,168 @@
+"""DiffusionGemma text model.
+
+One stack of layers used two ways: `encode` runs it causally over new tokens and writes their keys/values to
+the cache (prompt prefill, committing a canvas, autoregressive decoding); `denoise` runs it bidirectionally
+over a canvas that attends to the cache and returns hidden states without committing anything.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dgemma.cache import KVCache
+from dgemma.config import ModelConfig, TextConfig
+from dgemma.model.attention import Attention
+from dgemma.model.layers import GatedMLP, RMSNorm, rope_cos_sin
+from dgemma.model.moe import Experts, Router
+
+
+class Block(nn.Module):
+    """Attention, then a dense MLP and an MoE in parallel on the same residual, then the layer scalar."""
+
+    def __init__(self, cfg: TextConfig, layer: int):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = GatedMLP(h, cfg.intermediate_size)
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2",
+                     "pre_feedforward_layernorm_2"):
+            setattr(self, name, RMSNorm(h, eps))
+        # The encoder and decoder share every weight but this one (a buffer in the reference, saved for both).
+        self.register_buffer("layer_scalar", torch.ones(1))
+        self.register_buffer("encoder_layer_scalar", torch.ones(1))
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, start: int,
+                lo: int, mask: torch.Tensor | None, encoder: bool, write: bool = True) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), rope, cache, start, lo, mask, write)
+        x = x + self.post_attention_layernorm(attn)
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.router(flat)
+        moe = self.experts(self.pre_feedforward_layernorm_2(flat), weights, ids).view_as(x)
+        x = x + self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(moe))
+        return x * (self.encoder_layer_scalar if encoder else self.layer_scalar)
+
+
+class SelfConditioning(GatedMLP):
+    """Adds a gated-MLP projection of the previous step's soft embedding to the canvas embedding, then norms."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__(cfg.hidden_size, cfg.intermediate_size)
+        self.pre_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, with_scale=False)
+
+    def forward(self, embeds: torch.Tensor, signal: torch.Tensor | None) -> torch.Tensor:
+        if signal is None:  # the MLP maps a zero signal to exactly zero
+            return self.post_norm(embeds)
+        return self.post_norm(embeds + super().forward(self.pre_norm(signal)))
+
+
+class DiffusionGemma(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        t = cfg.text
+        self.embed_tokens = nn.Embedding(t.vocab_size, t.hidden_size)
+        self.layers = nn.ModuleList(Block(t, i) for i in range(t.num_hidden_layers))
+        self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
+        self.self_conditioning = SelfConditioning(t)
+        self.embed_scale = t.hidden_size**0.5
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        return KVCache(self.cfg.text, batch, capacity, self.dtype, self.device)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight
+        return self.embed_tokens(ids) * torch.tensor(self.embed_scale, dtype=w.dtype)
+
+    def soft_embed(self, logits: torch.Tensor) -> torch.Tensor:
+        """softmax(logits) @ E * sqrt(H): the self-conditioning signal."""
+        w = self.embed_tokens.weight
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(w.dtype)
+        return (probs @ w) * torch.tensor(self.embed_scale, dtype=w.dtype)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Tied LM head with the final softcap, float32 logits."""
+        cap = self.cfg.text.final_logit_softcapping
+        logits = (hidden @ self.embed_tokens.weight.T).float()
+        return torch.tanh(logits / cap) * cap
+
+    def encode(self, ids: torch.Tensor, cache: KVCache, valid: torch.Tensor | None = None,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal pass over new tokens ids [B, L]; appends them to the cache; returns normed hidden [B, L, H]."""
+        n = ids.shape[1]
+        start = cache.reserve(n, valid)
+        masks = {s: self._encoder_mask(cache, start, n, s) for s in (True, False)}
+        x = self._run(self.embed(ids), cache, start, n, positions, masks, encoder=True)
+        return self.norm(x)
+
+    def denoise(self, canvas: torch.Tensor, cache: KVCache, signal: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, context: torch.Tensor | None = None) -> torch.Tensor:
+        """Bidirectional pass over canvas [B, C] attending to the cache; returns normed hidden [B, C, H].
+
+        `signal` is the self-conditioning soft embedding [B, C, H] (`soft_embed` of the previous logits), or None
+        for the zero signal of the first step. `context` [B] (training) limits row b to its first context[b]
+        cached tokens and leaves the cache untouched; `positions` then default to context[b] + arange(C).
+        """
+        n = canvas.shape[1]
+        start = cache.length
+        x = self.self_conditioning(self.embed(canvas), signal)
+        if context is not None:
+            if positions is None:
+                positions = context[:, None] + torch.arange(n, device=canvas.device)
+            masks = {s: (0, self._context_mask(cache, context, n, s)) for s in (True, False)}
+            return self.norm(self._run(x, cache, start, n, positions, masks, encoder=False, write=False))
+        cache.ensure(start + n)
+        masks = {s: self._decoder_mask(cache, start, n, s) for s in (True, False)}
+        return self.norm(self._run(x, cache, start, n, positions, masks, encoder=False))
+
+    def _run(self, x, cache, start, n, positions, masks, encoder, write=True):
+        if positions is None:
+            positions = torch.arange(start, start + n, device=x.device)[None].expand(x.shape[0], n)
+        ropes = {}
+        for block in self.layers:
+            attn = block.self_attn
+            key = (attn.sliding, attn.head_dim)
+            if key not in ropes:
+                ropes[key] = rope_cos_sin(attn.inv_freq, positions, x.dtype)
+            lo, mask = masks[attn.sliding]
+            x = block(x, ropes[key], cache, start, lo, mask, encoder, write)
+        return x
+
+    def _encoder_mask(self, cache: KVCache, start: int, n: int, sliding: bool):
+        lo = cache.window_start(sliding, start)
+        q = torch.arange(start, start + n, device=cache.valid.device)[:, None]
+        kv = torch.arange(lo, start + n, device=cache.valid.device)[None, :]
+        allowed = kv <= q
+        if sliding:
+            allowed = allowed & (kv > q - self.cfg.text.sliding_window)
+        mask = allowed[None] & cache.valid[:, None, lo:start + n]
+        mask = mask | (kv == q)[None]  # padding queries attend to themselves: no empty softmax rows
+        return lo, mask[:, None]
+
+    def _context_mask(self, cache: KVCache, context: torch.Tensor, n: int, sliding: bool) -> torch.Tensor:
+        slots = torch.arange(cache.length, device=context.device)[None]
+        past = cache.valid[:, :cache.length] & (slots < context[:, None])
+        if sliding:
+            past = past & (slots > context[:, None] - self.cfg.text.sliding_window)
+        return torch.cat([past, past.new_ones(past.shape[0], n)], dim=1)[:, None, None, :]
+
+    def _decoder_mask(self, cache: KVCache, start: int, n: int, sliding: bool):
+        lo = cache.window_start(sliding, start)
+        past = cache.valid[:, lo:start]
+        if bool(past.all()):
+            return lo, None
+        mask = torch.cat([past, past.new_ones(past.shape[0], n)], dim=1)
+        return lo, mask[:, None, None, :]

@@ -1,0 +1,63 @@
+"""Small building blocks: RMSNorm, gated MLP, rotary embeddings."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dgemma.config import RopeConfig
+
+
+class RMSNorm(nn.Module):
+    """x * (mean(x^2) + eps)^-0.5 * weight, computed in float32; `with_scale=False` has no weight."""
+
+    def __init__(self, dim: int, eps: float, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            h = h * self.weight.float()
+        return h.type_as(x)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2]; proportional RoPE rotates a leading fraction and leaves the rest at 0."""
+    if rope.rope_type == "proportional":
+        angles = int(rope.partial_rotary_factor * head_dim // 2)
+        rotated = 1.0 / rope.theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.float) / head_dim)
+        return torch.cat([rotated, torch.zeros(head_dim // 2 - angles)])
+    return 1.0 / rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """positions [B, L] -> cos, sin [B, L, 1, head_dim] in `dtype` (computed in float32)."""
+    freqs = positions[..., None].float() * inv_freq.to(positions.device)
+    emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, L, heads, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,133 @@
+"""Per-request sampling parameters: published defaults, validation, and the one place a checkpoint's
+`generation_config.json` enters (`SamplingParams.from_generation_config`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from dgemma.errors import ConfigError
+
+MAX_NEW_TOKENS = 1_000_000
+MAX_DENOISING_STEPS = 10_000
+MODES = ("diffusion", "autoregressive")
+SAMPLINGS = ("reference", "fast")
+
+
+class SamplingParamsError(ConfigError, ValueError):
+    """A sampling parameter is out of range (a ValueError for callers, a ConfigError for the CLI/server)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Defaults are HF's `_get_default_generation_params` (also the released checkpoint's values).
+
+    Temperature at denoising step s (steps remaining, N..1) is t_min + (t_max - t_min) * s / N.
+    Unlike HF (which rejects t_max == t_min), a constant schedule t_max == t_min > 0 is allowed.
+    """
+
+    max_new_tokens: int = 256
+    max_denoising_steps: int = 48
+    entropy_bound: float = 0.1
+    t_min: float = 0.4
+    t_max: float = 0.8
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    eos_token_ids: tuple[int, ...] | None = None  # None: the model's
+    mode: str = "diffusion"  # "diffusion" | "autoregressive"
+    sampling: str = "reference"  # "reference" (HF draw for draw) | "fast" (exponential race, per-row RNG)
+    ar_temperature: float = 0.0  # autoregressive mode only; 0 is greedy
+
+    def __post_init__(self) -> None:
+        # Normalise containers so the object stays hashable: a bare str / int means a 1-tuple.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        eos = self.eos_token_ids
+        if eos is not None and not isinstance(eos, tuple):
+            object.__setattr__(self, "eos_token_ids", (eos,) if _is_int(eos) else tuple(eos))
+        self._check()
+
+    def _check(self) -> None:
+        _int_in("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS)
+        _int_in("max_denoising_steps", self.max_denoising_steps, 1, MAX_DENOISING_STEPS)
+        _int_in("stability_threshold", self.stability_threshold, 0, None)
+        _positive("entropy_bound", self.entropy_bound)
+        _positive("confidence_threshold", self.confidence_threshold)
+        _non_negative("t_min", self.t_min)
+        _positive("t_max", self.t_max)
+        _non_negative("ar_temperature", self.ar_temperature)
+        if self.t_max < self.t_min:
+            _fail(f"t_max={self.t_max} must be >= t_min={self.t_min}")
+        if self.seed is not None:
+            _int_in("seed", self.seed, 0, 2**64 - 1)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            _fail(f"stop={self.stop!r} must be non-empty strings")
+        if self.eos_token_ids is not None and not all(_is_int(i) and i >= 0 for i in self.eos_token_ids):
+            _fail(f"eos_token_ids={self.eos_token_ids!r} must be non-negative integers")
+        if self.mode not in MODES:
+            _fail(f"mode={self.mode!r} must be one of {', '.join(MODES)}")
+        if self.sampling not in SAMPLINGS:
+            _fail(f"sampling={self.sampling!r} must be one of {', '.join(SAMPLINGS)}")
+
+    def validate(self, vocab_size: int | None = None, max_context: int | None = None, prompt_len: int = 0) -> None:
+        """Checks that need the model: eos ids inside the vocabulary, prompt + output inside the context."""
+        if vocab_size is not None and self.eos_token_ids and max(self.eos_token_ids) >= vocab_size:
+            _fail(f"eos_token_ids={self.eos_token_ids!r} outside the vocabulary (size {vocab_size})")
+        if max_context is not None and prompt_len + self.max_new_tokens > max_context:
+            _fail(f"prompt ({prompt_len} tokens) + max_new_tokens ({self.max_new_tokens}) exceeds the context "
+                  f"({max_context})")
+
+    def replace(self, **overrides: Any) -> SamplingParams:
+        """A copy with `overrides` applied; None values mean "keep" (request fields left unset)."""
+        if unknown := overrides.keys() - {f.name for f in dataclasses.fields(self)}:
+            _fail(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    @classmethod
+    def from_generation_config(cls, cfg: dict[str, Any]) -> SamplingParams:
+        """From a checkpoint's `generation_config.json` dict; missing or null keys keep the defaults."""
+        sampler = cfg.get("sampler_config") or {}
+        return cls().replace(
+            max_new_tokens=cfg.get("max_new_tokens"),
+            max_denoising_steps=cfg.get("max_denoising_steps"),
+            entropy_bound=sampler.get("entropy_bound"),
+            t_min=cfg.get("t_min"),
+            t_max=cfg.get("t_max"),
+            stability_threshold=cfg.get("stability_threshold"),
+            confidence_threshold=cfg.get("confidence_threshold"),
+            eos_token_ids=cfg.get("eos_token_id"),
+        )
+
+
+def _fail(message: str) -> None:
+    raise SamplingParamsError(message)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _int_in(name: str, value: Any, lo: int, hi: int | None) -> None:
+    if not _is_int(value) or value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        _fail(f"{name}={value!r} must be an integer {bound}")
+
+
+def _positive(name: str, value: Any) -> None:
+    if not _is_real(value) or value <= 0:
+        _fail(f"{name}={value!r} must be a finite number > 0")
+
+
+def _non_negative(name: str, value: Any) -> None:
+    if not _is_real(value) or value < 0:
+        _fail(f"{name}={value!r} must be a finite number >= 0")

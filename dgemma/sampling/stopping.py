@@ -1,0 +1,84 @@
+"""When to stop: early exit of a canvas's denoising loop (stable and confident argmax), EOS padding of
+a finished canvas, and stop strings on decoded text."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from dgemma.sampling.samplers import token_entropy
+
+
+def freeze_rows(finished: Tensor, old: Tensor, new: Tensor) -> Tensor:
+    """Rows already finished keep their old value, as HF's `_denoising_step` does for the argmax canvas,
+    the canvas and the self-conditioning logits. finished: bool [B]; old, new: [B, ...]."""
+    return torch.where(finished.view(-1, *([1] * (new.dim() - 1))), old, new)
+
+
+class StableConfidentStopper:
+    """HF `StableAndConfidentStoppingCriteria`: a row stops when its argmax canvas equals each of the
+    previous `stability_threshold` ones and its mean token entropy is below `confidence_threshold`.
+
+    Keeps the previous argmax and a run length of unchanged steps per row instead of HF's
+    [threshold, B, C] history; the previous argmax starts at -1 like HF's history, so a row can be
+    stable at the earliest on step threshold + 1."""
+
+    def __init__(self, stability_threshold: int, confidence_threshold: float):
+        self.stability_threshold = stability_threshold
+        self.confidence_threshold = confidence_threshold
+        self._prev: Tensor | None = None  # [B, C] argmax of the previous step
+        self._run: Tensor | None = None  # [B] consecutive steps with an unchanged argmax
+
+    def reset(self, rows: Tensor | None = None) -> None:
+        """Forget the history: of every row (a new canvas), or of the rows in a bool mask [B]."""
+        if rows is None or self._prev is None:
+            self._prev = self._run = None
+        else:
+            self._prev.masked_fill_(rows[:, None], -1)  # the next step then restarts the run at 0
+
+    def update(self, argmax_canvas: Tensor, scores: Tensor, active: Tensor | None = None) -> Tensor:
+        """One denoising step. argmax_canvas [B, C]; scores: token entropies [B, C] (as returned by the
+        step) or processed logits [B, C, V]. Returns bool [B]: stable & confident, or not active.
+        Pass finished rows their frozen argmax (`freeze_rows`) as HF does."""
+        entropy = token_entropy(scores, dtype=None) if scores.dim() == 3 else scores
+        done = self._stable(argmax_canvas) & (entropy.mean(-1) < self.confidence_threshold)
+        return done if active is None else done | ~active
+
+    def _stable(self, argmax: Tensor) -> Tensor:
+        if self.stability_threshold == 0:
+            return torch.ones(argmax.shape[0], dtype=torch.bool, device=argmax.device)
+        if self._prev is None:
+            self._prev = torch.full_like(argmax, -1)
+            self._run = torch.zeros(argmax.shape[0], dtype=torch.long, device=argmax.device)
+        same = (argmax == self._prev).all(-1)
+        self._run = torch.where(same, self._run + 1, 0)
+        self._prev = argmax.clone()
+        return self._run >= self.stability_threshold
+
+
+def finalize_canvas(canvas: Tensor, eos_ids: Tensor | Sequence[int], pad_id: int,
+                    finished_before: Tensor) -> tuple[Tensor, Tensor]:
+    """Pad a finished canvas [B, C] like HF `_finalize_canvas`: rows finished in an earlier canvas become
+    all pad; in the others every token after the first EOS becomes pad (the EOS stays).
+    Returns (padded canvas, newly_finished [B]: has an EOS and was not finished before)."""
+    eos = torch.as_tensor(eos_ids, dtype=torch.long, device=canvas.device)
+    is_eos = torch.isin(canvas, eos)
+    seen = is_eos.cumsum(-1)
+    after_first = (seen > 0) & ~((seen == 1) & is_eos)
+    padded = canvas.masked_fill(after_first | finished_before[:, None], pad_id)
+    return padded, is_eos.any(-1) & ~finished_before
+
+
+def truncate_at_stop_strings(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """Text before the earliest occurrence of any stop string, and whether one occurred."""
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return (text[: min(hits)], True) if hits else (text, False)
+
+
+def stop_holdback(text: str, stops: Sequence[str]) -> int:
+    """How many trailing characters a streamer must hold back: the longest suffix of `text` that is a
+    proper prefix of some stop string (it may still become a stop)."""
+    return max((k for s in stops for k in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:k])),
+               default=0)

@@ -1,0 +1,106 @@
+"""Tokenizer and chat template (the edges of the engine, which works on token ids)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dgemma.errors import CheckpointError, DgemmaError
+
+
+class Tokenizer:
+    def __init__(self, directory: Path):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            self.tok = HFTokenizer.from_file(str(directory / "tokenizer.json"))
+        except Exception as e:  # the tokenizers library raises plain Exceptions
+            raise CheckpointError(f"{directory / 'tokenizer.json'}: cannot load tokenizer ({e})") from None
+        config = _read_json(directory / "tokenizer_config.json")
+        template = config.get("chat_template")
+        if template is None and (directory / "chat_template.jinja").is_file():
+            template = (directory / "chat_template.jinja").read_text()
+        self.chat_template: str | None = template
+        self.bos_token = _token_text(config.get("bos_token")) or "<bos>"
+        self.eos_token = _token_text(config.get("eos_token")) or "<eos>"
+        self.add_bos = bool(config.get("add_bos_token", True))
+
+    @classmethod
+    def maybe_load(cls, directory: Path) -> Tokenizer | None:
+        return cls(directory) if (directory / "tokenizer.json").is_file() else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size()
+
+    def token_id(self, text: str) -> int | None:
+        return self.tok.token_to_id(text)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        bos = self.token_id(self.bos_token)
+        if (self.add_bos if add_bos is None else add_bos) and bos is not None and ids[:1] != [bos]:
+            ids = [bos, *ids]
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise DgemmaError("this checkpoint has no chat template; send a plain prompt instead")
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token, eos_token=self.eos_token)
+        except TemplateError as e:
+            raise DgemmaError(f"chat template failed: {e}") from None
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.encode(self.apply_chat_template(messages), add_bos=False)
+
+
+class IncrementalDecoder:
+    """Turns a growing list of ids into text deltas that never split a multi-byte character or repeat text."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, ids: list[int], final: bool = False) -> str:
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids)
+        if not final and text.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 sequence: wait for the next tokens
+        delta = text[len(self.text):] if text.startswith(self.text) else ""
+        self.text = text if text.startswith(self.text) else self.text
+        return delta
+
+
+def _raise(message: str):
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid JSON ({e})") from None
+    return data if isinstance(data, dict) else {}

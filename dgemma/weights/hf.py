@@ -1,0 +1,195 @@
+"""Hugging Face checkpoints: directory / cache resolution, one declared name map, mmap loading with shape checks.
+
+A reference checkpoint stores the decoder (`model.decoder.*`); the encoder shares those weights except its
+`layer_scalar` buffers. Vision weights and the tied `lm_head` are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from dgemma.config import ModelConfig
+from dgemma.errors import CheckpointError, ConfigError
+from dgemma.model import DiffusionGemma
+
+log = logging.getLogger(__name__)
+
+_DECODER = "model.decoder."
+_ENCODER = "model.encoder.language_model."
+_IGNORED = re.compile(r"^(lm_head\.weight|model\.encoder\.(vision_tower|embed_vision)\..*"
+                      r"|model\.encoder\.language_model\.(?!layers\.\d+\.layer_scalar$).*)$")
+_ENCODER_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")
+
+
+def resolve_checkpoint(path_or_repo: str | Path) -> Path:
+    """A local directory, or a Hugging Face repo id already in the local cache (never downloads)."""
+    path = Path(path_or_repo).expanduser()
+    if path.is_dir():
+        return path
+    name = str(path_or_repo)
+    if path.exists():
+        raise CheckpointError(f"{name} is not a directory (expected a checkpoint directory with config.json)")
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not name.startswith((".", "/")):
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            return Path(snapshot_download(name, local_files_only=True))
+        except LocalEntryNotFoundError:
+            raise CheckpointError(f"{name}: no such directory, and not found in the local Hugging Face cache "
+                                  "(dgemma does not download)") from None
+    raise CheckpointError(f"checkpoint directory not found: {name}")
+
+
+def read_config(directory: Path) -> ModelConfig:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: missing config.json")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return ModelConfig.from_hf(raw)
+
+
+def tensor_files(directory: Path) -> dict[str, Path]:
+    """Tensor name -> file, from `model.safetensors` or a sharded index."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: invalid shard index ({e})") from None
+        files = {name: directory / shard for name, shard in weight_map.items()}
+        for shard in sorted(set(files.values())):
+            if not shard.is_file():
+                raise CheckpointError(f"{directory}: missing shard {shard.name} listed in {index.name}")
+        return files
+    single = directory / "model.safetensors"
+    if not single.is_file():
+        raise CheckpointError(f"{directory}: missing model.safetensors (or model.safetensors.index.json)")
+    with _open(single) as f:
+        return {name: single for name in f.keys()}
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path.name}: corrupt or truncated safetensors file ({e})") from None
+
+
+def checkpoint_name(param: str) -> str:
+    """dgemma parameter name -> checkpoint tensor name."""
+    m = re.fullmatch(r"layers\.(\d+)\.encoder_layer_scalar", param)
+    if m:
+        return f"{_ENCODER}layers.{m.group(1)}.layer_scalar"
+    return _DECODER + param
+
+
+def _target_names(model: DiffusionGemma) -> dict[str, tuple[torch.Size, str]]:
+    names = {n: (p.shape, "param") for n, p in model.named_parameters()}
+    names.update({n: (b.shape, "buffer") for n, b in model.named_buffers() if _is_persistent(model, n)})
+    return names
+
+
+def _is_persistent(model: torch.nn.Module, name: str) -> bool:
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    return leaf not in module._non_persistent_buffers_set
+
+
+def load_model(path_or_repo: str | Path, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> DiffusionGemma:
+    """Build the model on the meta device and materialise each tensor once, in `dtype`, from mmapped files."""
+    directory = resolve_checkpoint(path_or_repo)
+    cfg = read_config(directory)
+    files = tensor_files(directory)
+    with torch.device("meta"):
+        model = DiffusionGemma(cfg)
+    targets = _target_names(model)
+    by_ckpt = {checkpoint_name(n): n for n in targets}
+    _check_names(files, by_ckpt)
+    handles: dict[Path, object] = {}
+    for ckpt_name, param in by_ckpt.items():
+        if ckpt_name not in files:
+            continue  # a missing encoder layer_scalar; filled below
+        f = handles.setdefault(files[ckpt_name], _open(files[ckpt_name]))
+        _assign(model, param, _read(f, ckpt_name, files[ckpt_name]), targets[param][0], dtype, device)
+    for ckpt_name, param in by_ckpt.items():
+        if ckpt_name not in files:
+            log.warning("%s missing: the encoder uses the decoder's layer_scalar", ckpt_name)
+            shared = model.get_buffer(param.replace("encoder_layer_scalar", "layer_scalar"))
+            _assign(model, param, shared.clone(), targets[param][0], dtype, device)
+    _init_derived(model, device)
+    return model.eval()
+
+
+def _check_names(files: dict[str, Path], by_ckpt: dict[str, str]) -> None:
+    unexpected = sorted(n for n in files if n not in by_ckpt and not _IGNORED.match(n))
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise CheckpointError(f"unexpected tensor {unexpected[0]}{more} in checkpoint")
+    missing = sorted(n for n in by_ckpt if n not in files and not _ENCODER_SCALAR.match(n))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"missing tensor {missing[0]}{more} in checkpoint")
+
+
+def _read(f, name: str, path: Path) -> torch.Tensor:
+    try:
+        return f.get_tensor(name)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path.name}: cannot read tensor {name} ({e})") from None
+
+
+def _assign(model: torch.nn.Module, name: str, tensor: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
+            device) -> None:
+    if tensor.shape != shape:
+        raise CheckpointError(f"tensor {checkpoint_name(name)} has shape {list(tensor.shape)}, "
+                              f"expected {list(shape)}")
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner)
+    value = tensor.to(device=device, dtype=dtype)
+    if leaf in module._parameters:
+        module._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+    else:
+        module._buffers[leaf] = value
+
+
+def _init_derived(model: DiffusionGemma, device) -> None:
+    """Non-persistent buffers (RoPE frequencies) are computed, not loaded."""
+    from dgemma.model.layers import rope_inv_freq
+
+    for block in model.layers:
+        attn = block.self_attn
+        attn.inv_freq = rope_inv_freq(model.cfg.text.rope(attn.sliding), attn.head_dim).to(device)
+
+
+def save_model(model: DiffusionGemma, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write config.json and model.safetensors in the layout the reference loads (decoder + encoder scalars)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        t = tensor.detach().to("cpu", dtype or tensor.dtype).contiguous()
+        tensors[checkpoint_name(name)] = t
+    tmp = directory / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(directory / "model.safetensors")
+    config = model.cfg.to_hf()
+    config["dtype"] = str(dtype or model.dtype).removeprefix("torch.")
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return directory
+
+
+__all__ = ["ConfigError", "load_model", "resolve_checkpoint", "save_model", "read_config"]

@@ -1,0 +1,159 @@
+"""Generation: token-exact parity with transformers' generate, batching, streaming, interfaces, bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dgemma
+from dgemma.errors import DgemmaError
+from reference import CONFIGS, build_reference
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def pair(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(f"gen_{request.param}")
+    ref = build_reference(request.param, d)
+    return ref, dgemma.load(d), d
+
+
+def _prompts(model, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    v = model.model.cfg.text.vocab_size
+    return torch.randint(3, v, (7,), generator=g).tolist(), torch.randint(3, v, (4,), generator=g).tolist()
+
+
+def _reference_generate(ref, prompts, seed, **kw):
+    n = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (n - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in prompts]).bool()
+    torch.manual_seed(seed)
+    out = ref.generate(ids, attention_mask=mask, eos_token_id=[1], pad_token_id=0, **kw)
+    seqs = []
+    for row in out.sequences[:, n:].tolist():
+        cut = next((i for i, t in enumerate(row) if t == 1), len(row))
+        seqs.append(row[:cut])
+    return seqs, out.tokens_per_forward
+
+
+@pytest.mark.parametrize("t_max", [0.01, 0.005])
+def test_reference_sampling_is_token_exact(pair, t_max):
+    """Same seed, fp32, CPU: dgemma's ids equal transformers' ids for a batch of two prompts of different
+    lengths over three canvases."""
+    ref, model, _ = pair
+    prompts = list(_prompts(model))
+    c = model.model.cfg.canvas_length
+    kw = dict(max_new_tokens=3 * c, t_min=t_max / 2, t_max=t_max)
+    expected, tpf = _reference_generate(ref, prompts, seed=5, **kw)
+    got = model.generate(prompts, seed=5, sampling="reference", eos_token_ids=(1,), **kw)
+    assert [r.token_ids for r in got] == expected
+    assert any(len(r.stats["steps_per_canvas"]) == 3 for r in got)
+    for r, e in zip(got, tpf.tolist()):
+        assert r.stats["tokens_per_forward"] == pytest.approx(e, rel=1e-5)
+
+
+def test_max_new_tokens_is_exact(pair):
+    _, model, _ = pair
+    prompt = _prompts(model)[0]
+    for n in (1, 3, model.model.cfg.canvas_length + 1):
+        r = model.generate(prompt, max_new_tokens=n, eos_token_ids=(), seed=1)
+        assert len(r.token_ids) == n and r.finish_reason == "length"
+
+
+def test_batch_independence_in_fast_mode(pair):
+    """A request's output for a fixed seed does not depend on what else is in the batch (its own generator and
+    positions; padding in the batch changes logits only by float rounding, so keep samples away from ties)."""
+    _, model, _ = pair
+    a, b = _prompts(model)
+    c = model.model.cfg.canvas_length
+    kw = dict(max_new_tokens=2 * c + 1, seed=11, sampling="fast", t_min=0.05, t_max=0.1)
+    alone = model.generate(a, **kw)
+    together = model.generate([b, a, b[:2]], **kw)
+    assert together[1].token_ids == alone.token_ids
+    assert together[0].token_ids == model.generate(b, **kw).token_ids
+
+
+def test_each_request_stops_on_its_own(pair):
+    _, model, _ = pair
+    a, b = _prompts(model)
+    first = model.generate(a, seed=2, max_new_tokens=6)
+    eos = first.token_ids[2]
+    res = model.generate([a, b], seed=2, max_new_tokens=6, eos_token_ids=(eos,))
+    assert res[0].finish_reason == "stop" and len(res[0].token_ids) <= 2
+    assert eos not in res[0].token_ids
+    assert all(r.finish_reason in ("stop", "length") for r in res)
+
+
+def test_streaming_drafts_and_commits(pair):
+    _, model, _ = pair
+    c = model.model.cfg.canvas_length
+    events = list(model.stream(_prompts(model)[0], seed=4, max_new_tokens=2 * c, eos_token_ids=()))
+    kinds = [e.kind for e in events]
+    assert kinds[-1] == "done" and kinds.count("done") == 1
+    assert kinds.count("draft") >= 2 and kinds.count("text") == 2
+    committed = [t for e in events if e.kind == "text" for t in e.token_ids]
+    assert committed == events[-1].result.token_ids
+    # each draft shows the committed text so far plus the current canvas
+    first_commit = kinds.index("text")
+    assert all(len(e.token_ids) <= c for e in events[:first_commit] if e.kind == "draft")
+
+
+def test_autoregressive_greedy_matches_reference_argmax(pair):
+    ref, model, _ = pair
+    prompt = _prompts(model)[0]
+    r = model.generate(prompt, mode="autoregressive", max_new_tokens=5, eos_token_ids=())
+    ids = list(prompt)
+    from reference import reference_logits
+
+    for _ in range(5):
+        ids.append(int(reference_logits(ref, torch.tensor([ids]), [])[0][0, -1].argmax()))
+    assert r.token_ids == ids[len(prompt):]
+    sampled = model.generate(prompt, mode="autoregressive", max_new_tokens=5, ar_temperature=1.0, seed=3,
+                             eos_token_ids=())
+    assert sampled.token_ids == model.generate(prompt, mode="autoregressive", max_new_tokens=5,
+                                               ar_temperature=1.0, seed=3, eos_token_ids=()).token_ids
+
+
+@pytest.mark.parametrize("prompt, options, message", [
+    ([], {}, "empty prompt"),
+    ("", {}, "empty prompt"),
+    ("text", {}, "no tokenizer"),
+    ([5, 99999], {}, "outside the vocabulary"),
+    ([5, -1], {}, "outside the vocabulary"),
+    ([5, 258_880 % 10**9], {}, "outside the vocabulary"),
+    ([5], {"max_new_tokens": 0}, "max_new_tokens"),
+    ([5], {"max_new_tokens": 10**9}, "max_new_tokens"),
+    ([5], {"max_denoising_steps": 0}, "max_denoising_steps"),
+    ([5], {"t_min": 0.9, "t_max": 0.5}, "t_max"),
+    ([5], {"t_min": -1.0}, "t_min"),
+    ([5], {"entropy_bound": 0.0}, "entropy_bound"),
+    ([5] * 200_000, {}, "exceeds the context"),
+])
+def test_bad_input(pair, prompt, options, message):
+    _, model, _ = pair
+    with pytest.raises(DgemmaError, match=message):
+        model.generate(prompt, **options)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "dgemma", *args], capture_output=True, text=True)
+
+
+def test_cli_json_and_errors(pair):
+    _, model, d = pair
+    r = _cli("generate", "--model", str(d), "--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--seed", "1",
+             "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(out["token_ids"]) == 4 and out["finish_reason"] == "length"
+    assert out["token_ids"] == model.generate([5, 6, 7], max_new_tokens=4, seed=1).token_ids
+    assert out["stats"]["steps_per_canvas"] and out["stats"]["tokens_per_forward"] > 0
+    for args, message in [(["--max-new-tokens", "0"], "max_new_tokens"), (["--steps", "-3"], "max_denoising_steps"),
+                          (["--t-min", "2", "--t-max", "1"], "t_max")]:
+        r = _cli("generate", "--model", str(d), "--prompt-ids", "5,6", *args)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+        assert r.stderr.strip().count("\n") == 0
+    r = _cli("generate", "--model", str(d), "--prompt-ids", "5,x")
+    assert r.returncode == 2 and "comma-separated" in r.stderr
