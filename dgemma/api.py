@@ -162,7 +162,7 @@ class Model:
         if params.mode == "autoregressive":
             for i, x in enumerate(ids):
                 req = Request(f"ar-{i}", x, params, params.eos_token_ids, generator=make_generator(params.seed))
-                yield from ((i, e) for e in self._drive({req.id: (i, req)}, autoregressive.decode(self.model, req)))
+                yield from self._drive({req.id: (i, req)}, autoregressive.decode(self.model, req))
             return
         engine = Engine(self.model, params.eos_token_ids, self.pad_id, params.sampling, max_batch=max(1, len(ids)))
         if params.sampling == "reference" and params.seed is not None:
@@ -181,8 +181,8 @@ class Model:
             i, req = reqs[ev.request_id]
             ts = streams[ev.request_id]
             if ev.kind == "draft":
-                text = self.tokenizer.decode(req.output + ev.token_ids) if self.tokenizer else ""
-                yield i, StreamEvent("draft", text, req.output + ev.token_ids)
+                text = self.tokenizer.decode(ev.token_ids) if self.tokenizer else ""
+                yield i, StreamEvent("draft", text, ev.token_ids)
             elif ev.kind == "commit":
                 delta = ts.push(ev.token_ids) if ts else ""
                 yield i, StreamEvent("text", delta, ev.token_ids)

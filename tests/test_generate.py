@@ -62,10 +62,13 @@ def test_max_new_tokens_is_exact(pair):
         assert len(r.token_ids) == n and r.finish_reason == "length"
 
 
-def test_batch_independence_in_fast_mode(pair):
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_batch_independence_in_fast_mode(name, tmp_path):
     """A request's output for a fixed seed does not depend on what else is in the batch (its own generator and
-    positions; padding in the batch changes logits only by float rounding, so keep samples away from ties)."""
-    _, model, _ = pair
+    positions). Padding in the batch changes logits by float rounding only; a random model with large weights
+    amplifies that through self-conditioning, so this uses milder random weights and a low temperature."""
+    build_reference(name, tmp_path, spread=0.2, embed=10)
+    model = dgemma.load(tmp_path)
     a, b = _prompts(model)
     c = model.model.cfg.canvas_length
     kw = dict(max_new_tokens=2 * c + 1, seed=11, sampling="fast", t_min=0.05, t_max=0.1)
@@ -78,12 +81,14 @@ def test_batch_independence_in_fast_mode(pair):
 def test_each_request_stops_on_its_own(pair):
     _, model, _ = pair
     a, b = _prompts(model)
-    first = model.generate(a, seed=2, max_new_tokens=6)
-    eos = first.token_ids[2]
+    free = model.generate([a, b], seed=2, max_new_tokens=6, eos_token_ids=())
+    eos = free[0].token_ids[2]
     res = model.generate([a, b], seed=2, max_new_tokens=6, eos_token_ids=(eos,))
+    for got, full in zip(res, free):
+        cut = full.token_ids.index(eos) if eos in full.token_ids else len(full.token_ids)
+        assert got.token_ids == full.token_ids[:cut]
+        assert got.finish_reason == ("stop" if eos in full.token_ids else "length")
     assert res[0].finish_reason == "stop" and len(res[0].token_ids) <= 2
-    assert eos not in res[0].token_ids
-    assert all(r.finish_reason in ("stop", "length") for r in res)
 
 
 def test_streaming_drafts_and_commits(pair):

@@ -246,6 +246,21 @@ def test_stopper_matches_reference(stability):
     assert torch.stack(agree).any() and not torch.stack(agree).all()  # both outcomes occurred
 
 
+def test_stopper_per_row_thresholds():
+    stability, confidence = torch.tensor([0, 1, 2, 1]), torch.tensor([1.0, 1.2, 1.3, 2.5])
+    batched = StableConfidentStopper(stability, confidence)
+    single = [StableConfidentStopper(int(s), float(c)) for s, c in zip(stability, confidence)]
+    g = torch.Generator().manual_seed(0)
+    argmax, seen = torch.randint(0, 3, (4, 5), generator=g), []
+    for _ in range(20):
+        argmax = torch.where(torch.rand(4, 1, generator=g) < 0.3, torch.randint(0, 3, (4, 5), generator=g), argmax)
+        entropy = torch.rand(4, 5, generator=g) * 2
+        done = batched.update(argmax, entropy)
+        assert done.tolist() == [bool(s.update(argmax[i:i + 1], entropy[i:i + 1])) for i, s in enumerate(single)]
+        seen.append(done)
+    assert torch.stack(seen).any(0).all() and not torch.stack(seen).all(0).any()
+
+
 def test_stopper_reset():
     stopper = StableConfidentStopper(1, 0.5)
     argmax, sharp = torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4)
@@ -347,6 +362,8 @@ def test_fast_step_entropy_and_acceptance_match_reference():
 def test_fast_step_per_row_generators_are_independent():
     B, C, V = 2, 32, 50
     x, y = random_logits(1, (B, C, V)), random_logits(2, (B, C, V))
+    bounds = torch.tensor([[0.5], [0.1]])  # per-row bounds broadcast
+    assert torch.equal(entropy_bound_accept(token_entropy(x), bounds)[1], entropy_bound_accept(token_entropy(x), 0.1)[1])
     gens = lambda *seeds: [make_generator(s) for s in seeds]  # noqa: E731
     pair = fast_step(x, 0.5, gens(10, 20))
     other_neighbour = fast_step(torch.stack([x[0], y[1]]), 0.5, gens(10, 20))

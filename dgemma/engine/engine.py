@@ -25,7 +25,7 @@ from dgemma.model import DiffusionGemma
 from dgemma.sampling import (
     SamplingParams,
     StableConfidentStopper,
-    fast_step,
+    entropy_bound_accept,
     finalize_canvas,
     freeze_rows,
     make_generator,
@@ -33,6 +33,7 @@ from dgemma.sampling import (
     reference_step,
     temperature_schedule,
 )
+from dgemma.sampling.fused import vocab_step
 
 _ids = itertools.count()
 
@@ -48,6 +49,7 @@ class _Batch:
     signal: torch.Tensor | None = None
     done: torch.Tensor | None = None  # [B] canvas finished denoising
     step_index: int = 0
+    row_steps: list[int] | None = None  # the step at which each row's canvas finished denoising
     stopper: StableConfidentStopper | None = None
 
 
@@ -188,6 +190,7 @@ class Engine:
         else:
             b.canvas = random_tokens(shape, self.vocab_size, device, [r.generator for r in b.rows])
         b.argmax, b.signal, b.step_index = b.canvas, None, 0
+        b.row_steps = [0] * len(b.rows)
         b.done = torch.zeros(len(b.rows), dtype=torch.bool, device=device)
         b.stopper = self._stopper(b.rows)
 
@@ -208,28 +211,52 @@ class Engine:
         finished_before = b.done.clone()
         for r, d in zip(b.rows, finished_before.tolist()):
             r.stats.decoder_passes += not d and not r.finished
-        logits = self.model.head(self.model.denoise(b.canvas, b.cache, b.signal, positions))
-        processed = logits / self._temperatures(b)[:, None, None]
-        del logits
-        if self.reference:
-            out = reference_step(processed, b.rows[0].params.entropy_bound)
-        else:
-            bounds = torch.tensor([r.params.entropy_bound for r in b.rows], device=processed.device)[:, None]
-            out = fast_step(processed, bounds, [r.generator for r in b.rows])
-        signal = self.model.soft_embed(processed)
-        argmax, canvas = out.argmax, out.canvas
+        hidden = self.model.denoise(b.canvas, b.cache, b.signal, positions)
+        sample = self._sample_reference if self.reference else self._sample_fast
+        canvas, argmax, entropy, signal = sample(b, hidden, self._temperatures(b), finished_before.tolist())
         if bool(finished_before.any()):
             argmax = freeze_rows(finished_before, b.argmax, argmax)
             canvas = freeze_rows(finished_before, b.canvas, canvas)
             signal = freeze_rows(finished_before, b.signal, signal) if b.signal is not None else signal
-        b.done = finished_before | b.stopper.update(argmax, out.entropy)
+        b.done = finished_before | b.stopper.update(argmax, entropy)
         b.canvas, b.argmax, b.signal = canvas, argmax, signal
         b.step_index += 1
+        for i, d in enumerate(finished_before.tolist()):
+            b.row_steps[i] += not d
         self._emit_drafts(b, events)
         # Reference rows keep denoising after they finish, as in transformers; fast rows stop counting.
         over = [b.step_index >= r.params.max_denoising_steps or (r.finished and not self.reference) for r in b.rows]
         if bool((b.done | torch.tensor(over, device=b.done.device)).all()):
             self._finish_canvas(b, events)
+
+    def _sample_reference(self, b: _Batch, hidden: torch.Tensor, temps: torch.Tensor, frozen: list[bool]):
+        """transformers' step, draw for draw: full float32 logits, multinomial, then the renoise draw."""
+        processed = self.model.head(hidden) / temps[:, None, None]
+        out = reference_step(processed, b.rows[0].params.entropy_bound)
+        return out.canvas, out.argmax, out.entropy, self.model.soft_embed(processed)
+
+    def _sample_fast(self, b: _Batch, hidden: torch.Tensor, temps: torch.Tensor, frozen: list[bool]):
+        """Fused, chunked vocabulary work with each row's own generator (uniforms, then renoise tokens).
+        Frozen rows draw nothing, so a row's random stream does not depend on how long the batch runs."""
+        bsz, c, h = hidden.shape
+        device = hidden.device
+        uniforms = torch.zeros(bsz, c, device=device)
+        noise = torch.zeros(bsz, c, dtype=torch.long, device=device)
+        for i, r in enumerate(b.rows):
+            if not frozen[i]:
+                uniforms[i] = torch.rand(c, generator=r.generator, device=device)
+        inv_t = (1.0 / temps)[:, None].expand(bsz, c).reshape(-1)
+        cfg = self.model.cfg.text
+        out = vocab_step(hidden.reshape(-1, h), self.model.embed_tokens.weight, cfg.final_logit_softcapping,
+                         self.model.embed_scale, inv_t, uniforms.reshape(-1))
+        entropy = out.entropy.view(bsz, c)
+        bounds = torch.tensor([r.params.entropy_bound for r in b.rows], device=device)[:, None]
+        accept = entropy_bound_accept(entropy, bounds)
+        for i, r in enumerate(b.rows):
+            if not frozen[i]:
+                noise[i] = random_tokens((c,), self.vocab_size, device, r.generator)
+        canvas = torch.where(accept, out.sample.view(bsz, c), noise)
+        return canvas, out.argmax.view(bsz, c), entropy, out.signal.view(bsz, c, h)
 
     def _temperatures(self, b: _Batch) -> torch.Tensor:
         temps = []
@@ -247,7 +274,7 @@ class Engine:
         rows = b.argmax.tolist()
         for r, ids in zip(b.rows, rows):
             if r.drafts and not r.finished:
-                events.append(Event(r.id, "draft", self._visible(ids, r)))
+                events.append(Event(r.id, "draft", r.output + self._visible(ids, r)))
 
     def _visible(self, ids: list[int], r: Request) -> list[int]:
         """The part of a canvas a request shows: up to its first EOS and within its token budget."""
@@ -263,7 +290,7 @@ class Engine:
         for r, ids in zip(b.rows, b.argmax.tolist()):
             if r.finished:
                 continue
-            r.stats.steps_per_canvas.append(b.step_index)
+            r.stats.steps_per_canvas.append(b.row_steps[b.rows.index(r)])
             hit_eos = any(t in r.eos for t in ids[:r.budget])
             new = self._visible(ids, r)
             r.output.extend(new)

@@ -57,7 +57,7 @@ class Request:
 
 @dataclass
 class Event:
-    """draft: the request's current argmax canvas; commit: newly committed ids; finish: the request ended."""
+    """draft: committed ids + the current argmax canvas; commit: newly committed ids; finish: the request ended."""
 
     request_id: str
     kind: Literal["draft", "commit", "finish"]

@@ -39,7 +39,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] | None = None  # None: the model's
     mode: str = "diffusion"  # "diffusion" | "autoregressive"
-    sampling: str = "reference"  # "reference" (HF draw for draw) | "fast" (exponential race, per-row RNG)
+    sampling: str = "fast"  # "fast" (fused, per-request RNG) | "reference" (HF draw for draw)
     ar_temperature: float = 0.0  # autoregressive mode only; 0 is greedy
 
     def __post_init__(self) -> None:

@@ -51,9 +51,10 @@ def token_entropy(logits: Tensor, dtype: torch.dtype | None = torch.float32) -> 
     return -(logp.clamp(min=torch.finfo(logp.dtype).min) * p).sum(-1)
 
 
-def entropy_bound_accept(entropy: Tensor, bound: float) -> Tensor:
+def entropy_bound_accept(entropy: Tensor, bound: float | Tensor) -> Tensor:
     """EB-sampler (arXiv 2505.24857): accept the k lowest-entropy positions with
-    sum(H_1..k) - max(H_1..k) <= bound. [B, C] -> bool [B, C]; at least one position per row.
+    sum(H_1..k) - max(H_1..k) <= bound (a number, or [B, 1] per row). [B, C] -> bool [B, C]; at least
+    one position per row.
     Same sort call and expression as HF so equal entropies resolve to the same positions."""
     h, order = torch.sort(entropy, dim=-1)
     keep = torch.cumsum(h, dim=-1) - h <= bound
@@ -79,7 +80,7 @@ def reference_step(logits: Tensor, entropy_bound: float, generator: torch.Genera
     return StepOutput(renoise(sampled, accepted, noise), logits.argmax(-1), accepted, entropy)
 
 
-def fast_step(logits: Tensor, entropy_bound: float, generators: Generators = None) -> StepOutput:
+def fast_step(logits: Tensor, entropy_bound: float | Tensor, generators: Generators = None) -> StepOutput:
     """Same distribution as `reference_step`, in float32, without multinomial; per-row generators make a
     row's draws independent of the other rows (each row draws its noise, then its renoise tokens)."""
     B, C, V = logits.shape

@@ -23,9 +23,10 @@ class StableConfidentStopper:
 
     Keeps the previous argmax and a run length of unchanged steps per row instead of HF's
     [threshold, B, C] history; the previous argmax starts at -1 like HF's history, so a row can be
-    stable at the earliest on step threshold + 1."""
+    stable at the earliest on step threshold + 1 (threshold 0: always stable). Thresholds are numbers,
+    or tensors [B] for per-row values."""
 
-    def __init__(self, stability_threshold: int, confidence_threshold: float):
+    def __init__(self, stability_threshold: int | Tensor, confidence_threshold: float | Tensor):
         self.stability_threshold = stability_threshold
         self.confidence_threshold = confidence_threshold
         self._prev: Tensor | None = None  # [B, C] argmax of the previous step
@@ -47,8 +48,6 @@ class StableConfidentStopper:
         return done if active is None else done | ~active
 
     def _stable(self, argmax: Tensor) -> Tensor:
-        if self.stability_threshold == 0:
-            return torch.ones(argmax.shape[0], dtype=torch.bool, device=argmax.device)
         if self._prev is None:
             self._prev = torch.full_like(argmax, -1)
             self._run = torch.zeros(argmax.shape[0], dtype=torch.long, device=argmax.device)
