@@ -33,7 +33,7 @@ from dgemma.sampling import (
     reference_step,
     temperature_schedule,
 )
-from dgemma.sampling.fused import vocab_step
+from dgemma.sampling.fused import num_uniforms, vocab_step
 
 _ids = itertools.count()
 
@@ -240,15 +240,15 @@ class Engine:
         Frozen rows draw nothing, so a row's random stream does not depend on how long the batch runs."""
         bsz, c, h = hidden.shape
         device = hidden.device
-        uniforms = torch.zeros(bsz, c, device=device)
+        uniforms = torch.zeros(bsz, c, num_uniforms(self.vocab_size), device=device)
         noise = torch.zeros(bsz, c, dtype=torch.long, device=device)
         for i, r in enumerate(b.rows):
             if not frozen[i]:
-                uniforms[i] = torch.rand(c, generator=r.generator, device=device)
+                uniforms[i] = torch.rand(uniforms.shape[1:], generator=r.generator, device=device)
         inv_t = (1.0 / temps)[:, None].expand(bsz, c).reshape(-1)
         cfg = self.model.cfg.text
         out = vocab_step(hidden.reshape(-1, h), self.model.embed_tokens.weight, cfg.final_logit_softcapping,
-                         self.model.embed_scale, inv_t, uniforms.reshape(-1))
+                         self.model.embed_scale, inv_t, uniforms.flatten(0, 1))
         entropy = out.entropy.view(bsz, c)
         bounds = torch.tensor([r.params.entropy_bound for r in b.rows], device=device)[:, None]
         accept = entropy_bound_accept(entropy, bounds)

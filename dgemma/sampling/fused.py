@@ -1,19 +1,21 @@
-"""The fast denoising step's vocabulary-sized work, fused and chunked over positions.
+"""The fast denoising step's vocabulary-sized work, fused and streamed over vocabulary chunks.
 
-For each chunk of positions: tied-head logits, softcap, temperature, max / argmax, exp, entropy, an
-inverse-CDF sample (one uniform per position instead of one random number per vocabulary entry), and the
-self-conditioning soft embedding probs @ E. Only a [chunk, V] float32 block is alive at a time, never a full
-[B, C, V] tensor, and every pass over it stays in cache-sized pieces.
+Per chunk of the (tied) embedding: head logits for every position, softcap, temperature, then online
+(rescaled, flash-attention style) running max / argmax, normaliser, entropy accumulator and the
+self-conditioning soft embedding p @ E, and a weighted-reservoir sample (inverse CDF inside the chunk, kept
+with probability chunk mass / mass so far: exactly softmax-distributed). The embedding is read once per step,
+only a [positions, chunk] block is alive, and no random number is drawn per vocabulary entry.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-CHUNK_ELEMENTS = 1 << 22  # ~16 MB of float32 per chunk
+VOCAB_CHUNK = 4096
 
 
 class VocabStep(NamedTuple):
@@ -23,31 +25,44 @@ class VocabStep(NamedTuple):
     signal: Tensor  # [N, H] soft embedding softmax(logits / T) @ E * sqrt(H), in E's dtype
 
 
+def num_uniforms(vocab_size: int) -> int:
+    """Uniforms per position that `vocab_step` consumes (two per vocabulary chunk)."""
+    return 2 * math.ceil(vocab_size / VOCAB_CHUNK)
+
+
 def vocab_step(hidden: Tensor, embedding: Tensor, softcap: float, embed_scale: float, inv_temp: Tensor,
                uniforms: Tensor) -> VocabStep:
-    """hidden [N, H] (final-normed), embedding [V, H], inv_temp [N], uniforms [N] in [0, 1)."""
+    """hidden [N, H] (final-normed), embedding [V, H], inv_temp [N], uniforms [N, num_uniforms(V)] in [0, 1)."""
     n, v = hidden.shape[0], embedding.shape[0]
-    rows = max(1, CHUNK_ELEMENTS // v)
-    argmax = torch.empty(n, dtype=torch.long, device=hidden.device)
-    sample = torch.empty_like(argmax)
-    entropy = torch.empty(n, dtype=torch.float32, device=hidden.device)
-    signal = torch.empty(n, embedding.shape[1], dtype=embedding.dtype, device=hidden.device)
-    scale = torch.tensor(embed_scale, dtype=embedding.dtype)
-    for lo in range(0, n, rows):
-        hi = min(n, lo + rows)
-        z = (hidden[lo:hi] @ embedding.T).float()
-        z.div_(softcap).tanh_().mul_(softcap * inv_temp[lo:hi, None])
-        peak, argmax[lo:hi] = z.max(dim=-1)
-        z.sub_(peak[:, None])
-        p = z.exp()  # unnormalised probabilities
-        total = p.sum(-1)
-        # entropy = log(total) - E_p[z - peak]
-        entropy[lo:hi] = torch.log(total) - (p * z).sum(-1) / total
-        del z
-        cdf = p.cumsum(-1)
-        target = (uniforms[lo:hi] * cdf[:, -1])[:, None]
-        sample[lo:hi] = torch.searchsorted(cdf, target, right=True).clamp_(max=v - 1).squeeze(1)
-        del cdf
-        p.div_(total[:, None])
-        signal[lo:hi] = (p.to(embedding.dtype) @ embedding) * scale
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    peak = torch.full((n,), -math.inf, **f32)
+    mass = torch.zeros(n, **f32)  # sum of exp(z - peak)
+    moment = torch.zeros(n, **f32)  # sum of exp(z - peak) * z
+    soft = torch.zeros(n, embedding.shape[1], **f32)
+    best = torch.full((n,), -math.inf, **f32)
+    argmax = torch.zeros(n, dtype=torch.long, device=hidden.device)
+    sample = torch.zeros_like(argmax)
+    scale = (softcap * inv_temp)[:, None]
+    for k, lo in enumerate(range(0, v, VOCAB_CHUNK)):
+        chunk = embedding[lo:lo + VOCAB_CHUNK]
+        z = (hidden @ chunk.T).float().div_(softcap).tanh_().mul_(scale)
+        top, where = z.max(dim=-1)
+        better = top > best
+        best = torch.where(better, top, best)
+        argmax = torch.where(better, where + lo, argmax)
+        new_peak = torch.maximum(peak, top)
+        decay = torch.exp(peak - new_peak)
+        p = torch.exp(z - new_peak[:, None])
+        chunk_mass = p.sum(-1)
+        moment = moment * decay + (p * z).sum(-1)
+        mass = mass * decay + chunk_mass
+        soft = soft * decay[:, None] + (p.to(chunk.dtype) @ chunk).float()
+        # weighted reservoir: a candidate inside the chunk, kept with probability chunk_mass / mass
+        cdf = p.cumsum_(-1)
+        target = (uniforms[:, 2 * k] * chunk_mass)[:, None]
+        pick = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=chunk.shape[0] - 1) + lo
+        sample = torch.where(uniforms[:, 2 * k + 1] * mass < chunk_mass, pick, sample)
+        peak = new_peak
+    entropy = torch.log(mass) + peak - moment / mass
+    signal = (soft / mass[:, None] * embed_scale).to(embedding.dtype)
     return VocabStep(argmax, sample, entropy, signal)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from pathlib import Path
 
@@ -124,7 +125,8 @@ def load_model(path_or_repo: str | Path, dtype: torch.dtype = torch.float32,
         if ckpt_name not in files:
             continue  # a missing encoder layer_scalar; filled below
         f = handles.setdefault(files[ckpt_name], _open(files[ckpt_name]))
-        _assign(model, param, _read(f, ckpt_name, files[ckpt_name]), targets[param][0], dtype, device)
+        _assign(model, param, _read(f, ckpt_name, files[ckpt_name], dtype, device), targets[param][0], dtype,
+                device)
     for ckpt_name, param in by_ckpt.items():
         if ckpt_name not in files:
             log.warning("%s missing: the encoder uses the decoder's layer_scalar", ckpt_name)
@@ -145,11 +147,28 @@ def _check_names(files: dict[str, Path], by_ckpt: dict[str, str]) -> None:
         raise CheckpointError(f"missing tensor {missing[0]}{more} in checkpoint")
 
 
-def _read(f, name: str, path: Path) -> torch.Tensor:
+_CONVERT_ROWS_BYTES = 16 << 20
+
+
+def _read(f, name: str, path: Path, dtype: torch.dtype, device) -> torch.Tensor:
+    """The tensor in `dtype` on `device`; converted slice by slice so a dtype change costs ~16 MB, not a copy."""
     try:
-        return f.get_tensor(name)
+        view = f.get_slice(name)
+        shape = view.get_shape()
+        stored = view.get_dtype()
+        if not shape or stored in ("BF16", "F16", "F32", "F64") and _DTYPES.get(stored) == dtype and device == "cpu":
+            return f.get_tensor(name)
+        out = torch.empty(shape, dtype=dtype, device=device)
+        row_bytes = max(1, math.prod(shape[1:]) * 4)
+        step = max(1, _CONVERT_ROWS_BYTES // row_bytes)
+        for lo in range(0, shape[0], step):
+            out[lo:lo + step] = view[lo:lo + step].to(device=device, dtype=dtype)
+        return out
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path.name}: cannot read tensor {name} ({e})") from None
+
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 
 
 def _assign(model: torch.nn.Module, name: str, tensor: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
