@@ -1,6 +1,13 @@
 """dgemma: run, serve and fine-tune DiffusionGemma block-diffusion language models."""
 
-from dgemma.api import Model, Result, StreamEvent, load
-
 __version__ = "0.1.0"
 __all__ = ["Model", "Result", "StreamEvent", "load", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy: `dgemma --help` and sub-commands should not pay for importing torch up front.
+    if name in ("Model", "Result", "StreamEvent", "load"):
+        from dgemma import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'dgemma' has no attribute {name!r}")

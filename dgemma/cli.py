@@ -93,7 +93,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(fn=cmd_info)
     _add_generate(sub)
+    _add_delegated(sub, "serve", "dgemma.server.command", "run", "serve an OpenAI-compatible HTTP API")
+    _add_delegated(sub, "train", "dgemma.train.command", "run", "train or fine-tune (full or LoRA)")
+    _add_delegated(sub, "bench", "dgemma.bench", "run", "benchmark dgemma against the reference and AR decoding")
     return parser
+
+
+def _add_delegated(sub, name: str, module: str, fn: str, help: str, arguments: str = "add_arguments") -> None:
+    """A sub-command whose options and body live in its own module (imported when it runs)."""
+    import importlib
+
+    mod = importlib.import_module(module)
+    p = sub.add_parser(name, help=help, description=(mod.__doc__ or help).strip().splitlines()[0])
+    getattr(mod, arguments)(p)
+    p.set_defaults(fn=getattr(mod, fn))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ from torch import nn
 
 from dgemma.cache import KVCache
 from dgemma.config import TextConfig
-from dgemma.model.layers import RMSNorm, apply_rope, rope_inv_freq
+from dgemma.model.layers import Linear, RMSNorm, apply_rope, rope_inv_freq
 
 
 class Attention(nn.Module):
@@ -21,10 +21,10 @@ class Attention(nn.Module):
         self.layer, self.sliding = layer, spec.sliding
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, spec.num_kv_heads, spec.head_dim
         h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False) if spec.sliding else None
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+        self.q_proj = Linear(h, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = Linear(h, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = Linear(h, self.n_kv * self.head_dim, bias=False) if spec.sliding else None
+        self.o_proj = Linear(self.n_heads * self.head_dim, h, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False)

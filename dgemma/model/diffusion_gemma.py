@@ -13,7 +13,7 @@ from torch import nn
 from dgemma.cache import KVCache
 from dgemma.config import ModelConfig, TextConfig
 from dgemma.model.attention import Attention
-from dgemma.model.layers import GatedMLP, RMSNorm, rope_cos_sin
+from dgemma.model.layers import GatedMLP, RMSNorm, matmul, rope_cos_sin
 from dgemma.model.moe import Experts, Router
 
 
@@ -91,12 +91,12 @@ class DiffusionGemma(nn.Module):
         """softmax(logits) @ E * sqrt(H): the self-conditioning signal."""
         w = self.embed_tokens.weight
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(w.dtype)
-        return (probs @ w) * torch.tensor(self.embed_scale, dtype=w.dtype)
+        return matmul(probs, w) * torch.tensor(self.embed_scale, dtype=w.dtype)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head with the final softcap, float32 logits."""
         cap = self.cfg.text.final_logit_softcapping
-        logits = (hidden @ self.embed_tokens.weight.T).float()
+        logits = matmul(hidden, self.embed_tokens.weight.T).float()
         return torch.tanh(logits / cap) * cap
 
     def encode(self, ids: torch.Tensor, cache: KVCache, valid: torch.Tensor | None = None,

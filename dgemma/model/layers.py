@@ -2,11 +2,36 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dgemma.config import RopeConfig
+
+
+@functools.cache
+def _slow_bf16(device_type: str) -> bool:
+    """True on CPUs without native bf16 matmuls (no AVX512-BF16 / AMX), where bf16 GEMMs run ~50x slower."""
+    if device_type != "cpu":
+        return False
+    return not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b. bf16 operands on a CPU without native bf16 run as float32 (exact inputs, float32 accumulation,
+    rounded back to bf16): what a native bf16 GEMM computes, up to summation order."""
+    if b.dtype == torch.bfloat16 and _slow_bf16(b.device.type):
+        return (a.float() @ b.float()).to(a.dtype)
+    return a @ b
+
+
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == torch.bfloat16 and _slow_bf16(x.device.type):
+            return F.linear(x.float(), self.weight.float()).to(x.dtype)
+        return F.linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -32,9 +57,9 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from dgemma.config import TextConfig
-from dgemma.model.layers import RMSNorm, gelu_tanh
+from dgemma.model.layers import Linear, RMSNorm, gelu_tanh, matmul
 
 
 class Router(nn.Module):
@@ -15,7 +15,7 @@ class Router(nn.Module):
         self.top_k = cfg.top_k_experts
         self.root = cfg.hidden_size**-0.5
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, with_scale=False)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.proj = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.scale = nn.Parameter(torch.ones(cfg.hidden_size))
         self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
 
@@ -51,8 +51,8 @@ class Experts(nn.Module):
                 continue
             rows = order[start:start + n]
             tok = token[start:start + n]
-            gate, up = (x[tok] @ self.gate_up_proj[expert].T).chunk(2, dim=-1)
-            y = (gelu_tanh(gate) * up) @ self.down_proj[expert].T
+            gate, up = matmul(x[tok], self.gate_up_proj[expert].T).chunk(2, dim=-1)
+            y = matmul(gelu_tanh(gate) * up, self.down_proj[expert].T)
             y = y * weights.flatten()[rows, None]
             out.index_add_(0, tok, y.to(out.dtype))
             start += n

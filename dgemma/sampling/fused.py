@@ -15,6 +15,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from dgemma.model.layers import matmul
+
 VOCAB_CHUNK = 4096
 
 
@@ -45,7 +47,7 @@ def vocab_step(hidden: Tensor, embedding: Tensor, softcap: float, embed_scale: f
     scale = (softcap * inv_temp)[:, None]
     for k, lo in enumerate(range(0, v, VOCAB_CHUNK)):
         chunk = embedding[lo:lo + VOCAB_CHUNK]
-        z = (hidden @ chunk.T).float().div_(softcap).tanh_().mul_(scale)
+        z = matmul(hidden, chunk.T).float().div_(softcap).tanh_().mul_(scale)
         top, where = z.max(dim=-1)
         better = top > best
         best = torch.where(better, top, best)
@@ -56,7 +58,7 @@ def vocab_step(hidden: Tensor, embedding: Tensor, softcap: float, embed_scale: f
         chunk_mass = p.sum(-1)
         moment = moment * decay + (p * z).sum(-1)
         mass = mass * decay + chunk_mass
-        soft = soft * decay[:, None] + (p.to(chunk.dtype) @ chunk).float()
+        soft = soft * decay[:, None] + matmul(p.to(chunk.dtype), chunk).float()
         # weighted reservoir: a candidate inside the chunk, kept with probability chunk_mass / mass
         cdf = p.cumsum_(-1)
         target = (uniforms[:, 2 * k] * chunk_mass)[:, None]
