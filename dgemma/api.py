@@ -69,8 +69,11 @@ def _resolve_dtype(dtype: str | torch.dtype, directory: Path) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        config = json.loads((directory / "config.json").read_text()) if (directory / "config.json").is_file() else {}
-        saved = config.get("dtype") or config.get("torch_dtype")
+        try:
+            config = json.loads((directory / "config.json").read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            config = {}  # load_model reports a missing or broken config.json
+        saved = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
         return torch.bfloat16 if saved == "bfloat16" else torch.float32
     if dtype not in DTYPES:
         raise DgemmaError(f"unsupported dtype {dtype!r}; use float32 or bfloat16")

@@ -104,7 +104,7 @@ def _add_delegated(sub, name: str, module: str, fn: str, help: str, arguments: s
     import importlib
 
     mod = importlib.import_module(module)
-    p = sub.add_parser(name, help=help, description=(mod.__doc__ or help).strip().splitlines()[0])
+    p = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".")
     getattr(mod, arguments)(p)
     p.set_defaults(fn=getattr(mod, fn))
 

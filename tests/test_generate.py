@@ -1,6 +1,7 @@
 """Generation: token-exact parity with transformers' generate, batching, streaming, interfaces, bad input."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -143,7 +144,9 @@ def test_bad_input(pair, prompt, options, message):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "dgemma", *args], capture_output=True, text=True)
+    # one thread, like the in-process tests (conftest), so float rounding and hence samples are identical
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "dgemma", *args], capture_output=True, text=True, env=env)
 
 
 def test_cli_json_and_errors(pair):

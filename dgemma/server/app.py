@@ -1,0 +1,222 @@
+"""Routes and SSE: GET /v1/models, POST /v1/completions and /v1/chat/completions (JSON or an event stream),
+GET /health, GET /metrics. Routes stay thin: checks and engine glue live in service.py, wire shapes in
+protocol.py, keys / Host / body limits in security.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from dgemma import __version__
+from dgemma.api import Model
+from dgemma.server import errors, security
+from dgemma.server.config import ServerConfig
+from dgemma.server.errors import bad_request
+from dgemma.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    Chunks,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    Health,
+    ModelCard,
+    ModelList,
+)
+from dgemma.server.service import Generation, Service
+
+DONE = b"data: [DONE]\n\n"
+_ERRORS = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown model",
+           413: "request body too large", 429: "at capacity: retry later", 503: "loading or shutting down"}
+
+
+def _responses(ok: type | None, *statuses: int, stream: bool = False) -> dict[int | str, Any]:
+    out: dict[int | str, Any] = {s: {"model": ErrorResponse, "description": _ERRORS[s]} for s in statuses}
+    if ok is not None:
+        out[200] = {"model": ok, "description": "the result"}
+        if stream:
+            out[200]["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+    return out
+
+
+def create_app(config: ServerConfig, loader: Callable[[], Model],
+               on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+    """The ASGI app. The model loads in a background thread at start-up; /health answers 503 until it is ready."""
+    service = Service(config, loader, on_fatal)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.start_loading()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(service.close)
+
+    app = FastAPI(title="dgemma", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.service = service
+    errors.install(app)
+    security.install(app, config)
+    keys = security.ApiKeys(config.api_keys)
+    api = APIRouter(dependencies=[Depends(keys.dependency())] if keys else [])
+    _routes(api, service)
+    app.include_router(api)
+
+    @app.get("/health", response_model=None, responses=_responses(Health, 503))
+    async def health() -> Any:
+        """200 when the model is loaded and the engine runs; 503 with an error object otherwise."""
+        if error := service.unavailable():
+            return error.response()
+        return {"status": "ok"}
+
+    app.openapi = lambda: _openapi(app)
+    return app
+
+
+def _routes(api: APIRouter, service: Service) -> None:
+    name = service.config.model_name
+
+    def card() -> dict[str, Any]:
+        context = service.model.max_context if service.model is not None else None
+        return {"id": name, "object": "model", "created": service.created, "owned_by": "dgemma",
+                "max_model_len": context}
+
+    @api.get("/v1/models", response_model=None, responses=_responses(ModelList, 401))
+    async def list_models() -> Any:
+        return {"object": "list", "data": [card()]}
+
+    @api.get("/v1/models/{model_id:path}", response_model=None, responses=_responses(ModelCard, 401, 404))
+    async def get_model(model_id: str) -> Any:
+        service.check_model(model_id)
+        return card()
+
+    @api.post("/v1/completions", response_model=None,
+              responses=_responses(CompletionResponse, 400, 401, 404, 413, 429, 503, stream=True))
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        prompt = body.prompt
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else list(prompt)
+        generation = await service.generate(body, prompts, "prompt", "cmpl")
+        return await _respond(generation, body, request, chat=False)
+
+    @api.post("/v1/chat/completions", response_model=None,
+              responses=_responses(ChatCompletionResponse, 400, 401, 404, 413, 429, 503, stream=True))
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        generation = await service.generate(body, [body.chat()], "messages", "chatcmpl")
+        return await _respond(generation, body, request, chat=True)
+
+    @api.get("/metrics", response_class=PlainTextResponse, responses=_responses(None, 401))
+    async def metrics() -> PlainTextResponse:
+        """Prometheus text format."""
+        worker = service.worker
+        running = worker.running if worker is not None else 0
+        gauges = {
+            "dgemma_requests_running": ("Sequences in the engine's batch.", running),
+            "dgemma_requests_waiting": ("Admitted sequences not yet in a batch.", max(0, service.in_use - running)),
+            "dgemma_admission_capacity": ("Sequences admitted at once (running + queued).", service.config.capacity),
+            "dgemma_ready": ("1 when the model is loaded and requests are served.", service.unavailable() is None),
+        }
+        return PlainTextResponse(service.metrics.render(gauges), media_type="text/plain; version=0.0.4")
+
+
+async def _respond(gen: Generation, body: Any, request: Request, chat: bool) -> Response:
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = Chunks(chat, gen.id, gen.created, gen.service.config.model_name, include_usage)
+        return EventStream(_events(gen, chunks), on_close=gen.close)
+    try:
+        results = await _unless_disconnected(request, gen.collect())
+    finally:
+        gen.close()
+    if results is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    choices = []
+    for i, (text, reason) in enumerate(results):
+        if chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                            "finish_reason": reason})
+        else:
+            choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": reason})
+    return JSONResponse({"id": gen.id, "object": "chat.completion" if chat else "text_completion",
+                         "created": gen.created, "model": gen.service.config.model_name, "choices": choices,
+                         "usage": gen.usage()})
+
+
+async def _events(gen: Generation, chunks: Chunks) -> AsyncIterator[bytes]:
+    """Role chunks, then committed text per canvas (and drafts when asked), a finish chunk per choice, the
+    usage chunk when asked, then [DONE]. An error mid-stream sends an error object, then [DONE]."""
+    if chunks.chat:
+        for i in range(gen.n):
+            yield _data(chunks.choice(i, role=True))
+    async for out in gen.outputs():
+        if out.kind == "text":
+            yield _data(chunks.choice(out.index, out.text))
+        elif out.kind == "draft":
+            yield _data(chunks.choice(out.index, dgemma_draft=out.draft))
+        elif out.kind == "finish":
+            yield _data(chunks.choice(out.index, finish_reason=out.finish_reason))
+        else:
+            yield _data(out.error.body())
+            yield DONE
+            return
+    if chunks.include_usage:
+        yield _data(chunks.usage(gen.usage()))
+    yield DONE
+
+
+def _data(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class EventStream(StreamingResponse):
+    """A server-sent-event response that runs `on_close` however it ends (done, error, client gone)."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def _unless_disconnected(request: Request, work: Any) -> Any:
+    """Await `work`, or give up (None) as soon as the client disconnects."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return None if task.cancelled() else task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema without its 422 responses: validation errors are 400 OpenAI error objects here."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(unused, None)
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -1,0 +1,64 @@
+"""Server settings: limits on requests and admission, and the security switches. Checked once at start-up."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+from dgemma.errors import ConfigError
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str = "demo"
+    host: str = "127.0.0.1"
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # never printed
+    max_concurrency: int = 16  # sequences decoded together (the engine's batch)
+    max_queue: int = 64  # admitted sequences waiting for a batch row; more are refused with 429
+    max_prompt_tokens: int | None = None  # None: the model's context
+    max_tokens: int | None = None  # cap on max_tokens per choice; None: the model's context
+    max_n: int = 8  # choices per request (n x prompts)
+    max_stop: int = 8  # stop strings per request
+    max_stop_chars: int = 256  # characters per stop string
+    max_body_bytes: int = 4 << 20
+    shutdown_timeout: float = 30.0  # after SIGTERM, in-flight requests get this long before they are aborted
+    cors_origins: tuple[str, ...] = ()  # empty: no CORS headers at all
+    allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides the loopback names (loopback binds only)
+
+    def __post_init__(self) -> None:
+        for name in ("max_concurrency", "max_n", "max_stop", "max_stop_chars", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        for name in ("max_queue",):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
+        for name in ("max_prompt_tokens", "max_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.max_n > self.capacity:
+            raise ConfigError(f"--max-n ({self.max_n}) exceeds --max-concurrency + --max-queue ({self.capacity})")
+        if self.shutdown_timeout < 0:
+            raise ConfigError("--shutdown-timeout must be >= 0")
+        if any(not k for k in self.api_keys):
+            raise ConfigError("--api-key must not be empty")
+
+    @property
+    def capacity(self) -> int:
+        """Sequences admitted at once (running + queued)."""
+        return self.max_concurrency + self.max_queue
+
+    @property
+    def loopback(self) -> bool:
+        return is_loopback(self.host)
+
+
+def is_loopback(host: str) -> bool:
+    name = host.strip("[]").lower().rstrip(".")
+    if name in LOOPBACK_NAMES or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False

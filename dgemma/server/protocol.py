@@ -1,0 +1,247 @@
+"""The OpenAI wire format: request models (strict pydantic: no string-to-number coercion, no NaN), the
+response and chunk shapes, and the error object. Field descriptions end up in /openapi.json."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic_core import PydanticCustomError
+
+MAX_SEED = 2**64 - 1
+
+
+def _valid_text(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise PydanticCustomError("string_unicode", "text must be valid Unicode (no lone surrogates)") from None
+    return value
+
+
+def _one_of(message: str) -> WrapValidator:
+    """Turn a union's pile of per-member errors into one readable message (keeping text-encoding errors)."""
+
+    def validate(value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValidationError as e:
+            for err in e.errors():
+                if err["type"] == "string_unicode":
+                    raise PydanticCustomError("string_unicode", err["msg"]) from None
+            raise PydanticCustomError("union_type", message) from None
+
+    return WrapValidator(validate)
+
+
+Text = Annotated[str, AfterValidator(_valid_text)]
+TokenIds = list[int]
+Prompt = Annotated[Text | list[Text] | TokenIds | list[TokenIds], _one_of(
+    "must be a string, a list of strings, a list of token ids, or a list of token-id lists")]
+Stop = Annotated[Text | list[Text], _one_of("must be a string or a list of strings")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = Field(False, description="send a last chunk with usage and empty choices")
+
+
+class OpenAIRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: Text | None = Field(None, description="the served model's id (GET /v1/models); may be omitted")
+    max_tokens: int | None = Field(None, ge=1, description="exact cap on generated tokens per choice")
+    n: int = Field(1, ge=1, description="choices per prompt; choice i uses seed + i")
+    stop: Stop | None = Field(None, description="stop string(s); the text ends before the first one")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0, le=2, description=(
+        "denoising temperature schedule from T down to T/2; T < 0.001 (0 included): near-greedy, and without a "
+        "seed the seed is 0; omitted: the checkpoint's schedule"))
+    top_p: float | None = Field(None, gt=0, le=1, description="accepted for compatibility; has no effect")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="same seed, same output")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="only 0 is supported")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="only 0 is supported")
+    logit_bias: dict[str, float] | None = Field(None, description="only an empty map is supported")
+    user: Text | None = None
+    dgemma_drafts: bool = Field(False, description=(
+        "dgemma extension (stream only): also send each denoising step's draft canvas per choice, as chunks "
+        "with an empty delta and a `dgemma_draft` field that standard clients ignore"))
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """The first field that asks for a feature this server does not have: (param, what)."""
+        if self.presence_penalty not in (None, 0):
+            return "presence_penalty", "a non-zero presence penalty"
+        if self.frequency_penalty not in (None, 0):
+            return "frequency_penalty", "a non-zero frequency penalty"
+        if self.logit_bias:
+            return "logit_bias", "logit bias"
+        return None
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: Prompt = Field(description="text, several texts, token ids, or several token-id lists")
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    best_of: int | None = Field(None, ge=1)
+    suffix: Text | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.echo:
+            return "echo", "echo"
+        if self.logprobs is not None:
+            return "logprobs", "logprobs"
+        if self.best_of not in (None, 1):
+            return "best_of", "best_of > 1"
+        if self.suffix:
+            return "suffix", "suffix"
+        return super().unsupported()
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: Text
+
+
+Content = Annotated[Text | list[TextPart], _one_of("must be a string or a list of text parts")]
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Content
+    name: Text | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens when both are set")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Text | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.logprobs or self.top_logprobs:
+            return "logprobs", "logprobs"
+        if self.tools:
+            return "tools", "tool calling"
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice", "tool calling"
+        if self.response_format and self.response_format.get("type") != "text":
+            return "response_format", "structured output"
+        return super().unsupported()
+
+    def chat(self) -> list[dict[str, str]]:
+        """Messages for the chat template; "developer" is the newer name of "system"."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+# ---- responses (documentation and tests; the routes build plain dicts) ---------------------------------------
+FinishReason = Literal["stop", "length"]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+# ---- stream chunks -----------------------------------------------------------------------------------------
+class Chunks:
+    """Builds the chunks of one streamed response: one id and `created` for all of them."""
+
+    def __init__(self, chat: bool, id: str, created: int, model: str, include_usage: bool):
+        self.chat, self.include_usage = chat, include_usage
+        self.head = {"id": id, "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": created, "model": model}
+
+    def choice(self, index: int, text: str | None = None, finish_reason: str | None = None, role: bool = False,
+               **extra: Any) -> dict[str, Any]:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            item = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            item = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return self._chunk([item | extra])
+
+    def usage(self, usage: dict[str, int]) -> dict[str, Any]:
+        return self.head | {"choices": [], "usage": usage}
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk = self.head | {"choices": choices}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk

@@ -1,0 +1,127 @@
+"""API keys (constant-time, enforced as a dependency of every protected route, never by looking at the URL),
+refusal of foreign Host headers on loopback binds (DNS rebinding), header and body size caps, and opt-in CORS."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from dgemma.server.config import ServerConfig, is_loopback
+from dgemma.server.errors import ApiError, json_error
+
+MAX_HEADER_BYTES = 32 << 10
+
+
+class ApiKeys:
+    """Compares a presented bearer token with every configured key in constant time (sha256 first, so the
+    comparison does not depend on the keys' lengths either). Keys are kept only as digests."""
+
+    def __init__(self, keys: tuple[str, ...]):
+        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+
+    def __bool__(self) -> bool:
+        return bool(self._digests)
+
+    def matches(self, token: bytes) -> bool:
+        digest = hashlib.sha256(token).digest()
+        ok = False
+        for ref in self._digests:
+            ok |= hmac.compare_digest(digest, ref)
+        return ok
+
+    def dependency(self):
+        async def require_api_key(request: Request) -> None:
+            header = request.headers.get("authorization", "")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not self.matches(token.strip().encode("latin-1")):
+                raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+        return require_api_key
+
+
+class HostGuard:
+    """On a loopback bind (or with --allowed-host), answer 400 to requests whose Host is neither a loopback name
+    nor an allowed host: a web page whose domain was rebound to 127.0.0.1 still sends its own domain as Host."""
+
+    def __init__(self, app: ASGIApp, allowed: tuple[str, ...]):
+        self.app, self.allowed = app, {h.lower().rstrip(".") for h in allowed}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not self._ok(_header(scope, b"host")):
+            await _send_error(send, 400, "the Host header names a host this server does not serve", "invalid_host")
+            return
+        await self.app(scope, receive, send)
+
+    def _ok(self, host: str | None) -> bool:
+        name = _hostname(host or "")
+        return bool(name) and (is_loopback(name) or name in self.allowed)
+
+
+class SizeLimits:
+    """Refuse headers over MAX_HEADER_BYTES with 431, and bodies over `max_bytes` with 413: at once from
+    Content-Length, or while reading a chunked body."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if sum(len(k) + len(v) for k, v in scope.get("headers", [])) > MAX_HEADER_BYTES:
+            return await _send_error(send, 431, f"the request headers are over {MAX_HEADER_BYTES} bytes",
+                                     "headers_too_large")
+        length = _header(scope, b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            status = 413 if length.isdigit() else 400
+            return await _send_error(send, status, f"the request body is over {self.max_bytes} bytes"
+                                     if status == 413 else "invalid Content-Length", "request_too_large")
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise HTTPException(413)  # FastAPI re-raises it from the body read; the handler formats it
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def install(app: FastAPI, config: ServerConfig) -> None:
+    """Middleware, innermost first: CORS (only when origins are configured), size caps, Host check."""
+    if config.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_credentials=False,
+                           allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"])
+    app.add_middleware(SizeLimits, max_bytes=config.max_body_bytes)
+    if config.loopback or config.allowed_hosts:
+        app.add_middleware(HostGuard, allowed=config.allowed_hosts)
+
+
+def _hostname(host: str) -> str:
+    """Host header -> name: "[::1]:8000" -> "::1", "Example.COM.:80" -> "example.com"."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        end = host.find("]")
+        return host[1:end] if end > 0 else ""
+    return (host.split(":")[0] if host.count(":") == 1 else host).rstrip(".")
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def _send_error(send: Send, status: int, message: str, code: str) -> None:
+    status, headers, body = json_error(status, message, code)
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
