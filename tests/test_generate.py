@@ -165,3 +165,26 @@ def test_cli_json_and_errors(pair):
         assert r.stderr.strip().count("\n") == 0
     r = _cli("generate", "--model", str(d), "--prompt-ids", "5,x")
     assert r.returncode == 2 and "comma-separated" in r.stderr
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_aborted_request_leaves_the_batch_mid_canvas(name, tmp_path):
+    from dgemma.engine import Engine
+    from dgemma.sampling import SamplingParams
+
+    build_reference(name, tmp_path, spread=0.2, embed=10)  # mild weights: see test_batch_independence
+    model = dgemma.load(tmp_path)
+    a, b = _prompts(model)
+    params = SamplingParams(max_new_tokens=4, seed=3, confidence_threshold=1e-30, eos_token_ids=())
+    alone = Engine(model.model, (), 0)
+    expected = alone.generate([b], params)[0].output
+    engine = Engine(model.model, (), 0)
+    ra, rb = engine.add_request(a, params), engine.add_request(b, params)
+    engine.step()
+    engine.step()
+    engine.abort(ra.id)
+    engine.step()
+    assert engine.batch is not None and engine.batch.rows == [rb]  # gone before the canvas ends
+    for _ in engine.stream():
+        pass
+    assert ra.finish_reason == "abort" and rb.output == expected

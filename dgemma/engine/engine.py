@@ -206,6 +206,9 @@ class Engine:
     # ---- one denoising step -----------------------------------------------------------------------------
     def _denoise_step(self, events: list[Event]) -> None:
         b = self.batch
+        if not self.reference and any(r.finished for r in b.rows):
+            if not self._drop_aborted(b):
+                return
         start = b.cache.length
         positions = torch.arange(start, start + self.canvas_length, device=b.offsets.device) - b.offsets[:, None]
         finished_before = b.done.clone()
@@ -257,6 +260,21 @@ class Engine:
                 noise[i] = random_tokens((c,), self.vocab_size, device, r.generator)
         canvas = torch.where(accept, out.sample.view(bsz, c), noise)
         return canvas, out.argmax.view(bsz, c), entropy, out.signal.view(bsz, c, h)
+
+    def _drop_aborted(self, b: _Batch) -> bool:
+        """Aborted rows leave mid-canvas (fast mode) so they stop costing compute; False if none is left."""
+        keep = [i for i, r in enumerate(b.rows) if not r.finished]
+        if not keep:
+            self.batch = None
+            return False
+        index = torch.tensor(keep, device=b.offsets.device)
+        b.cache.select(keep)
+        b.rows = [b.rows[i] for i in keep]
+        b.row_steps = [b.row_steps[i] for i in keep]
+        b.offsets, b.canvas, b.argmax, b.done = b.offsets[index], b.canvas[index], b.argmax[index], b.done[index]
+        b.signal = None if b.signal is None else b.signal[index]
+        b.stopper.select(index)
+        return True
 
     def _temperatures(self, b: _Batch) -> torch.Tensor:
         temps = []

@@ -39,6 +39,15 @@ class StableConfidentStopper:
         else:
             self._prev.masked_fill_(rows[:, None], -1)  # the next step then restarts the run at 0
 
+    def select(self, rows: Tensor) -> None:
+        """Keep only these batch rows (index tensor), e.g. when aborted requests leave mid-canvas."""
+        if self._prev is not None:
+            self._prev, self._run = self._prev[rows], self._run[rows]
+        if isinstance(self.stability_threshold, Tensor):
+            self.stability_threshold = self.stability_threshold[rows]
+        if isinstance(self.confidence_threshold, Tensor):
+            self.confidence_threshold = self.confidence_threshold[rows]
+
     def update(self, argmax_canvas: Tensor, scores: Tensor, active: Tensor | None = None) -> Tensor:
         """One denoising step. argmax_canvas [B, C]; scores: token entropies [B, C] (as returned by the
         step) or processed logits [B, C, V]. Returns bool [B]: stable & confident, or not active.
