@@ -44,26 +44,34 @@ def vocab_step(hidden: Tensor, embedding: Tensor, softcap: float, embed_scale: f
     best = torch.full((n,), -math.inf, **f32)
     argmax = torch.zeros(n, dtype=torch.long, device=hidden.device)
     sample = torch.zeros_like(argmax)
-    scale = (softcap * inv_temp)[:, None]
+    scale = (2 * softcap * inv_temp)[:, None]
+    shift = (softcap * inv_temp)[:, None]
     for k, lo in enumerate(range(0, v, VOCAB_CHUNK)):
         chunk = embedding[lo:lo + VOCAB_CHUNK]
-        z = matmul(hidden, chunk.T).float().div_(softcap).tanh_().mul_(scale)
-        top, where = z.max(dim=-1)
+        # softcap * tanh(x / softcap) / T, as softcap * (2 sigmoid(2x / softcap) - 1) / T: sigmoid is much faster
+        z = matmul(hidden, chunk.T).float().mul_(2 / softcap).sigmoid_().mul_(scale).sub_(shift)
+        top = z.amax(dim=-1)
         better = top > best
-        best = torch.where(better, top, best)
-        argmax = torch.where(better, where + lo, argmax)
+        if bool(better.any()):  # a new row maximum: rare after the first chunks, so argmax runs on few rows
+            rows = better.nonzero().squeeze(1)
+            argmax[rows] = z[rows].argmax(-1) + lo
+            best = torch.where(better, top, best)
         new_peak = torch.maximum(peak, top)
         decay = torch.exp(peak - new_peak)
         p = torch.exp(z - new_peak[:, None])
         chunk_mass = p.sum(-1)
-        moment = moment * decay + (p * z).sum(-1)
+        moment = moment * decay + torch.linalg.vecdot(p, z)
         mass = mass * decay + chunk_mass
         soft = soft * decay[:, None] + matmul(p.to(chunk.dtype), chunk).float()
-        # weighted reservoir: a candidate inside the chunk, kept with probability chunk_mass / mass
-        cdf = p.cumsum_(-1)
-        target = (uniforms[:, 2 * k] * chunk_mass)[:, None]
-        pick = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=chunk.shape[0] - 1) + lo
-        sample = torch.where(uniforms[:, 2 * k + 1] * mass < chunk_mass, pick, sample)
+        # weighted reservoir: the chunk replaces the sample with probability chunk_mass / mass, and only the
+        # rows it replaces need the candidate (an inverse-CDF draw inside the chunk)
+        take = uniforms[:, 2 * k + 1] * mass < chunk_mass
+        if bool(take.any()):
+            rows = take.nonzero().squeeze(1)
+            cdf = p[rows].cumsum(-1)
+            target = (uniforms[rows, 2 * k] * chunk_mass[rows])[:, None]
+            pick = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=chunk.shape[0] - 1)
+            sample[rows] = pick + lo
         peak = new_peak
     entropy = torch.log(mass) + peak - moment / mass
     signal = (soft / mass[:, None] * embed_scale).to(embedding.dtype)
