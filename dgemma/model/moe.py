@@ -38,22 +38,22 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H], weights/ids [T, k] -> [T, H]."""
-        k = ids.shape[1]
+        """x [T, H], weights/ids [T, k] -> [T, H]. Outputs are gathered back by inverse permutation and summed
+        over the k choices (index_add_ is very slow on CPU)."""
+        t, k = ids.shape
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        token = order // k
-        out = torch.zeros_like(x)
+        tokens = x[order // k]
+        outs = []
         start = 0
         for expert, n in enumerate(counts):
             if n == 0:
                 continue
-            rows = order[start:start + n]
-            tok = token[start:start + n]
-            gate, up = matmul(x[tok], self.gate_up_proj[expert].T).chunk(2, dim=-1)
-            y = matmul(gelu_tanh(gate) * up, self.down_proj[expert].T)
-            y = y * weights.flatten()[rows, None]
-            out.index_add_(0, tok, y.to(out.dtype))
+            gate, up = matmul(tokens[start:start + n], self.gate_up_proj[expert].T).chunk(2, dim=-1)
+            outs.append(matmul(gelu_tanh(gate) * up, self.down_proj[expert].T))
             start += n
-        return out
+        y = torch.cat(outs) * weights.flatten()[order, None]
+        unsorted = torch.empty_like(y)
+        unsorted[order] = y
+        return unsorted.view(t, k, -1).sum(1).to(x.dtype)

@@ -39,7 +39,7 @@ def vocab_step(hidden: Tensor, embedding: Tensor, softcap: float, embed_scale: f
     f32 = dict(dtype=torch.float32, device=hidden.device)
     peak = torch.full((n,), -math.inf, **f32)
     mass = torch.zeros(n, **f32)  # sum of exp(z - peak)
-    moment = torch.zeros(n, **f32)  # sum of exp(z - peak) * z
+    moment = torch.zeros(n, **f32)  # sum of exp(z - peak) * (z - peak)
     soft = torch.zeros(n, embedding.shape[1], **f32)
     best = torch.full((n,), -math.inf, **f32)
     argmax = torch.zeros(n, dtype=torch.long, device=hidden.device)
@@ -58,9 +58,12 @@ def vocab_step(hidden: Tensor, embedding: Tensor, softcap: float, embed_scale: f
             best = torch.where(better, top, best)
         new_peak = torch.maximum(peak, top)
         decay = torch.exp(peak - new_peak)
-        p = torch.exp(z - new_peak[:, None])
+        z.sub_(new_peak[:, None])  # z - peak <= 0
+        p = torch.exp(z)
         chunk_mass = p.sum(-1)
-        moment = moment * decay + torch.linalg.vecdot(p, z)
+        dot = torch.bmm(p[:, None, :], z[:, :, None]).view(-1)  # row-wise sum p * (z - peak), as a GEMM
+        # rescale the running sums to the new peak: sum p (z - m') = decay * (M + (m - m') S)
+        moment = decay * (moment + torch.nan_to_num(peak - new_peak) * mass) + dot
         mass = mass * decay + chunk_mass
         soft = soft * decay[:, None] + matmul(p.to(chunk.dtype), chunk).float()
         # weighted reservoir: the chunk replaces the sample with probability chunk_mass / mass, and only the
@@ -73,6 +76,6 @@ def vocab_step(hidden: Tensor, embedding: Tensor, softcap: float, embed_scale: f
             pick = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=chunk.shape[0] - 1)
             sample[rows] = pick + lo
         peak = new_peak
-    entropy = torch.log(mass) + peak - moment / mass
+    entropy = torch.log(mass) - moment / mass
     signal = (soft / mass[:, None] * embed_scale).to(embedding.dtype)
     return VocabStep(argmax, sample, entropy, signal)
