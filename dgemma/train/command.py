@@ -1,0 +1,135 @@
+"""`dgemma train`: train or fine-tune from a config file (JSON / TOML) and/or flags; `--merge-adapter` folds a saved
+LoRA adapter into a full checkpoint. Flags override the file; every option is a TrainConfig field."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from dgemma.errors import DgemmaError
+
+# flag -> (TrainConfig field, type, help); booleans are handled apart
+_FLAGS = {
+    "--tokenizer": ("tokenizer", str, "tokenizer directory (default: the model's)"),
+    "--data": ("train_data", str, "training data: a text file (documents split by two blank lines) or chat .jsonl"),
+    "--valid-data": ("valid_data", str, "held-out data, same formats"),
+    "--out": ("out", str, "output directory: checkpoints/, final/, adapter/, log.jsonl (default runs/train)"),
+    "--steps": ("steps", int, "optimizer steps"),
+    "--batch-size": ("batch_size", int, "examples per micro-batch"),
+    "--grad-accum": ("grad_accum", int, "micro-batches per optimizer step"),
+    "--lr": ("lr", float, "peak learning rate (default 1.5e-4)"),
+    "--min-lr": ("min_lr", float, "final learning rate of the cosine decay"),
+    "--warmup": ("warmup", int, "linear warmup steps"),
+    "--weight-decay": ("weight_decay", float, "AdamW weight decay"),
+    "--clip": ("clip", float, "gradient-norm clip (0 disables)"),
+    "--canvases": ("canvases", int, "canvases per text window / at most per chat answer"),
+    "--max-prompt": ("max_prompt", int, "prompt tokens at most"),
+    "--ar-weight": ("ar_weight", float, "weight of the encoder's next-token loss"),
+    "--self-cond-prob": ("self_cond_prob", float, "probability of the self-conditioning signal"),
+    "--precision": ("precision", str, "auto | bf16 | fp32 (bf16 autocast, fp32 master weights)"),
+    "--lora-r": ("lora_r", int, "LoRA rank"),
+    "--lora-alpha": ("lora_alpha", int, "LoRA alpha"),
+    "--eval-every": ("eval_every", int, "held-out loss every N steps (0: never)"),
+    "--save-every": ("save_every", int, "checkpoint every N steps (0: only by time)"),
+    "--save-minutes": ("save_minutes", float, "checkpoint at least this often"),
+    "--max-minutes": ("max_minutes", float, "stop and export after this much wall time"),
+    "--save-dtype": ("save_dtype", str, "float32 | bfloat16 for the exported checkpoint"),
+    "--seed": ("seed", int, "seed of the initialisation, data order and noise"),
+    "--device": ("device", str, "torch device (cpu, cuda)"),
+    "--threads": ("threads", int, "CPU threads (1 is fastest on a busy 2-core machine)"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="training config file (.json or .toml); flags override it")
+    parser.add_argument("--model", help="checkpoint to fine-tune (directory or cached repo id)")
+    for flag, (_, kind, help_) in _FLAGS.items():
+        parser.add_argument(flag, type=kind, default=None, help=help_)
+    parser.add_argument("--lora", action="store_true", default=None, help="train a LoRA adapter instead of all weights")
+    parser.add_argument("--lora-targets", default=None,
+                        help="comma-separated: attention, mlp, experts, router, self_conditioning, or module names")
+    parser.add_argument("--no-resume", action="store_true", help="ignore checkpoints already in --out")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--merge-adapter", metavar="ADAPTER_DIR",
+                        help="instead of training: merge this LoRA adapter into --model and write --out")
+
+
+def _config_values(args: argparse.Namespace) -> dict:
+    from dgemma.train.config import read_config_file
+
+    values = read_config_file(args.config) if args.config else {}
+    if args.model is not None:
+        values["model"] = args.model
+        values.pop("model_config", None)
+    for flag, (name, _, _) in _FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            values[name] = value
+    if args.lora:
+        values["lora"] = True
+    if args.lora_targets:
+        values["lora_targets"] = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+    if args.no_resume:
+        values["resume"] = False
+    return values
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.merge_adapter:
+        return run_merge(args)
+    from dgemma.train.config import make_config
+    from dgemma.train.trainer import train
+
+    cfg = make_config(_config_values(args))
+    final = train(cfg, progress=not args.no_progress)
+    print(json.dumps({"final": str(final), "out": cfg.out}))
+    return 0
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    """--merge-adapter ADAPTER --model BASE --out DIR: a full checkpoint with the adapter folded in."""
+    import torch
+
+    from dgemma.train.checkpoint import export_model, generation_config
+    from dgemma.train.lora import merge_adapter
+    from dgemma.weights import load_model, resolve_checkpoint
+
+    adapter = Path(args.merge_adapter)
+    base = args.model
+    if base is None and (adapter / "adapter_config.json").is_file():
+        base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base:
+        raise DgemmaError("--merge-adapter needs --model (the base checkpoint the adapter was trained on)")
+    if not args.out:
+        raise DgemmaError("--merge-adapter needs --out (where to write the merged checkpoint)")
+    base_dir = resolve_checkpoint(base)
+    model = merge_adapter(load_model(base_dir, dtype=torch.float32), adapter)
+    gen = {}
+    if (base_dir / "generation_config.json").is_file():
+        gen = json.loads((base_dir / "generation_config.json").read_text())
+    t = model.cfg.text
+    gen_cfg = generation_config(list(t.eos_token_id), t.pad_token_id, t.bos_token_id, base=gen)
+    dtype = torch.bfloat16 if args.save_dtype == "bfloat16" else torch.float32
+    out = export_model(model, Path(args.out), Path(args.tokenizer) if args.tokenizer else base_dir, gen_cfg, dtype)
+    print(json.dumps({"merged": str(out)}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (`python -m dgemma.train.command`), the same as `dgemma train`."""
+    parser = argparse.ArgumentParser(prog="dgemma train", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except DgemmaError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""LoRA through peft on dgemma's module tree.
+
+The encoder and decoder are one stack of weights, so one adapter serves both. Linear layers are matched by
+name suffix (`q_proj`, `mlp.up_proj`, ...); the experts' stacked 3D weights go through peft's `target_parameters`
+(a rank-r update per expert). Adapters are saved in peft's format (`adapter_config.json`,
+`adapter_model.safetensors`) with dgemma's module names, and merge into a plain `DiffusionGemma`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from dgemma.errors import DgemmaError
+
+
+def _module_regex(model: torch.nn.Module, suffixes: list[str]) -> str:
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+             and any(n == s or n.endswith("." + s) for s in suffixes)]
+    unmatched = [s for s in suffixes if not any(n == s or n.endswith("." + s) for n in names)]
+    if unmatched:
+        raise DgemmaError(f"LoRA target(s) {', '.join(unmatched)} match no linear layer of this model")
+    return "^(" + "|".join(re.escape(n) for n in names) + ")$"
+
+
+def apply_lora(model: torch.nn.Module, r: int, alpha: int, modules: list[str], parameters: list[str]):
+    """Wrap `model` in place; returns the PeftModel (save / merge handle). Only adapter weights train."""
+    from peft import LoraConfig, get_peft_model
+
+    if not modules and not parameters:
+        raise DgemmaError("LoRA needs at least one target")
+    bad = [p for p in parameters if p not in ("experts.gate_up_proj", "experts.down_proj")]
+    if bad:
+        raise DgemmaError(f"unknown LoRA parameter target(s): {', '.join(bad)}")
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, bias="none",
+                        target_modules=_module_regex(model, modules) if modules else [],
+                        target_parameters=parameters or None)
+    return get_peft_model(model, config)
+
+
+def adapter_state(peft_model) -> dict[str, torch.Tensor]:
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(peft_model)
+
+
+def load_adapter_state(peft_model, state: dict[str, torch.Tensor]) -> None:
+    from peft import set_peft_model_state_dict
+
+    result = set_peft_model_state_dict(peft_model, state)
+    if getattr(result, "unexpected_keys", None):
+        raise DgemmaError(f"adapter does not fit the model: unexpected {result.unexpected_keys[0]}")
+
+
+def save_adapter(peft_model, directory: Path, base: str | None) -> None:
+    peft_model.peft_config["default"].base_model_name_or_path = base
+    peft_model.save_pretrained(str(directory))
+
+
+def merge_adapter(model: torch.nn.Module, adapter_dir: str | Path) -> torch.nn.Module:
+    """Apply a saved adapter to `model` (a plain DiffusionGemma) and fold it in; returns the plain model."""
+    from peft import PeftModel
+
+    adapter_dir = Path(adapter_dir)
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise DgemmaError(f"{adapter_dir}: not a LoRA adapter directory (no adapter_config.json)")
+    try:
+        peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
+    except (ValueError, RuntimeError, KeyError) as e:
+        raise DgemmaError(f"{adapter_dir}: cannot apply the adapter to this model ({e})") from None
+    return peft_model.merge_and_unload()
+
+
+def merged_copy(peft_model) -> torch.nn.Module:
+    """A plain model with the adapter folded in, leaving the training model untouched."""
+    import copy
+
+    clone = copy.deepcopy(peft_model)
+    return clone.merge_and_unload()

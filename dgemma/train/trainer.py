@@ -1,0 +1,319 @@
+"""The training loop: full fine-tuning or LoRA, AdamW with warmup + cosine, clipping, accumulation, bf16
+autocast over fp32 master weights, periodic held-out loss, exact resume and an HF-layout export."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dgemma.config import ModelConfig
+from dgemma.errors import DgemmaError
+from dgemma.train import checkpoint as ckpt
+from dgemma.train.config import TrainConfig
+from dgemma.train.data import Loader, collate, load_dataset
+from dgemma.train.objective import ObjectiveConfig, compute_losses
+
+log = logging.getLogger(__name__)
+
+
+def init_weights(model: torch.nn.Module, std: float) -> None:
+    """From-scratch initialisation (the reference's): normal(0, std) matrices and experts, unit norms and scales."""
+    from dgemma.model.layers import RMSNorm
+    from dgemma.model.moe import Experts, Router
+
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                module.weight.normal_(0.0, std)
+            elif isinstance(module, Experts):
+                module.gate_up_proj.normal_(0.0, std)
+                module.down_proj.normal_(0.0, std)
+            elif isinstance(module, Router):
+                module.scale.fill_(1.0)
+                module.per_expert_scale.fill_(1.0)
+            elif isinstance(module, RMSNorm) and module.weight is not None:
+                module.weight.fill_(1.0)
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """bf16 where the hardware has fast bf16 matmuls; CPUs without AVX512-BF16 / AMX run bf16 ~10x slower."""
+    if precision == "fp32":
+        return None
+    if precision == "bf16":
+        return torch.bfloat16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else None
+
+
+def lr_factor(step: int, warmup: int, total: int, floor: float) -> float:
+    """Linear warmup to 1, then cosine decay to `floor` (= min_lr / lr) at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, progress: bool = True):
+        self.cfg, self.progress = cfg, progress
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.device = torch.device(cfg.device)
+        self.out = Path(cfg.out)
+        self.model_dir = _checkpoint_dir(cfg.model) if cfg.model else None
+        self.tokenizer_dir = Path(cfg.tokenizer) if cfg.tokenizer else self.model_dir
+        self.tokenizer = _load_tokenizer(self.tokenizer_dir)
+        self.model, self.peft = self._build_model()
+        self.model_cfg: ModelConfig = self.model.cfg
+        self._check_vocab()
+        c = self.model_cfg.canvas_length
+        self.eos = self.tokenizer.token_id(self.tokenizer.eos_token)
+        data = load_dataset(cfg.train_data, self.tokenizer, c, cfg.canvases, cfg.max_prompt, cfg.seed)
+        self.loader = Loader(data, cfg.batch_size, c, self.eos, cfg.seed)
+        self.valid = None
+        if cfg.valid_data:
+            vdata = load_dataset(cfg.valid_data, self.tokenizer, c, cfg.canvases, cfg.max_prompt, cfg.seed + 1)
+            n = min(len(vdata), cfg.eval_batches * cfg.batch_size)
+            self.valid = [collate([vdata.get(j, 0) for j in range(i, min(n, i + cfg.batch_size))], c, self.eos)
+                          for i in range(0, n, cfg.batch_size)]
+        self.objective = ObjectiveConfig(cfg.t_eps, cfg.self_cond_prob, cfg.ar_weight)
+        self.amp = autocast_dtype(cfg.precision, self.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        decay = [p for p in self.params if p.dim() >= 2]
+        no_decay = [p for p in self.params if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps)
+        floor = cfg.min_lr / cfg.lr
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, cfg.warmup, cfg.steps, floor))
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.step = 0
+        self.tokens_seen = 0
+        self.elapsed = 0.0
+        self.history: list[dict[str, Any]] = []
+        if cfg.resume and (state := ckpt.latest_state(self.out / "checkpoints")) is not None:
+            self._restore(state)
+
+    # -- setup ---------------------------------------------------------------------------------------------------
+
+    def _build_model(self):
+        from dgemma.model import DiffusionGemma
+        from dgemma.weights import load_model
+
+        cfg = self.cfg
+        if cfg.model_config is not None:
+            hf = {"model_type": "diffusion_gemma", **cfg.model_config}
+            torch.manual_seed(cfg.seed)
+            model = DiffusionGemma(ModelConfig.from_hf(hf))
+            init_weights(model, cfg.init_std)
+            model = model.to(self.device)
+        else:
+            model = load_model(self.model_dir, dtype=torch.float32, device=self.device)
+        model.train()
+        for p in model.parameters():
+            p.requires_grad_(not cfg.lora)
+        peft = None
+        if cfg.lora:
+            from dgemma.train.lora import apply_lora
+
+            modules, params = cfg.lora_target_names()
+            peft = apply_lora(model, cfg.lora_r, cfg.lora_alpha, modules, params)
+        return model, peft
+
+    def _check_vocab(self) -> None:
+        vocab = self.model_cfg.text.vocab_size
+        if self.tokenizer.vocab_size > vocab:
+            raise DgemmaError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model only {vocab}")
+
+    # -- state ---------------------------------------------------------------------------------------------------
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def save(self) -> Path:
+        extra = {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "generator": self.generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+            "loader": self.loader.state_dict(),
+        }
+        meta = {"step": self.step, "tokens_seen": self.tokens_seen, "elapsed": self.elapsed,
+                "history": self.history, "config": self.cfg.to_dict()}
+        return ckpt.save_state(self.out / "checkpoints", self.step, self.trainable_state(), extra, meta,
+                               self.cfg.keep_checkpoints)
+
+    def _restore(self, path: Path) -> None:
+        weights, extra, meta = ckpt.load_state(path)
+        params = dict(self.model.named_parameters())
+        missing = [n for n, p in params.items() if p.requires_grad and n not in weights]
+        if missing or any(n not in params or params[n].shape != w.shape for n, w in weights.items()):
+            raise DgemmaError(f"{path}: the saved training state does not fit this model / LoRA setup; "
+                              "use another --out or --no-resume")
+        with torch.no_grad():
+            for n, w in weights.items():
+                params[n].copy_(w)
+        self.optimizer.load_state_dict(extra["optimizer"])
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.generator.set_state(extra["generator"])
+        torch.set_rng_state(extra["torch_rng"])
+        random.setstate(extra["python_rng"])
+        self.loader.load_state_dict(extra["loader"])
+        self.step, self.tokens_seen = meta["step"], meta["tokens_seen"]
+        self.elapsed, self.history = meta["elapsed"], meta["history"]
+        log.info("resumed from %s (step %d)", path, self.step)
+
+    # -- training ------------------------------------------------------------------------------------------------
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over grad_accum micro-batches; returns the step's mean losses and token count."""
+        cfg = self.cfg
+        diff = ar = 0.0
+        tokens = 0
+        for _ in range(cfg.grad_accum):
+            batch = self.loader.next()
+            losses = compute_losses(self.model, batch, self.objective, self.generator, self.amp)
+            (losses.total / cfg.grad_accum).backward()
+            diff += losses.diffusion / cfg.grad_accum
+            ar += losses.autoregressive / cfg.grad_accum
+            tokens += batch.tokens
+        norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.clip) if cfg.clip > 0 else torch.tensor(0.0)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens_seen += tokens
+        total = diff + cfg.ar_weight * ar
+        return {"loss": total, "diffusion": diff, "ar": ar, "grad_norm": float(norm), "lr": lr, "tokens": tokens}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float] | None:
+        """Held-out losses on fixed batches with fixed noise (comparable across steps and runs)."""
+        if not self.valid:
+            return None
+        self.model.eval()
+        g = torch.Generator().manual_seed(self.cfg.seed + 12345)
+        diff = ar = 0.0
+        canvas_tokens = ar_tokens = 0
+        for batch in self.valid:
+            losses = compute_losses(self.model, batch, self.objective, g, self.amp)
+            diff += losses.diffusion * losses.canvas_tokens
+            ar += losses.autoregressive * losses.ar_tokens
+            canvas_tokens += losses.canvas_tokens
+            ar_tokens += losses.ar_tokens
+        self.model.train()
+        return {"eval_diffusion": diff / canvas_tokens, "eval_ar": ar / max(1, ar_tokens)}
+
+    def run(self) -> Path:
+        """Train to cfg.steps (or cfg.max_minutes), checkpointing along the way; export and return out/final."""
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        logfile = (self.out / "log.jsonl").open("a")
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not self.progress, dynamic_ncols=True,
+                   mininterval=1.0, unit="step")
+        last_save, start, window = time.time(), time.time() - self.elapsed, []
+        try:
+            while self.step < cfg.steps:
+                t0 = time.time()
+                stats = self.train_step()
+                window.append((stats["tokens"], time.time() - t0))
+                window = window[-20:]
+                self.elapsed = time.time() - start
+                tok_s = sum(n for n, _ in window) / max(1e-9, sum(dt for _, dt in window))
+                bar.update(1)
+                bar.set_postfix(loss=f"{stats['loss']:.3f}", diff=f"{stats['diffusion']:.3f}",
+                                ar=f"{stats['ar']:.3f}", tok_s=f"{tok_s:.0f}", refresh=False)
+                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                    self._log(logfile, {"step": self.step, **stats, "tok_s": tok_s,
+                                        "tokens_seen": self.tokens_seen, "elapsed": round(self.elapsed, 1)})
+                if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                    if (ev := self.evaluate()) is not None:
+                        record = {"step": self.step, "tokens_seen": self.tokens_seen, **ev}
+                        self.history.append(record)
+                        self._log(logfile, record)
+                        bar.write(f"step {self.step}: held-out diffusion {ev['eval_diffusion']:.4f}, "
+                                  f"autoregressive {ev['eval_ar']:.4f}")
+                timeout = cfg.max_minutes is not None and self.elapsed >= cfg.max_minutes * 60
+                due = (cfg.save_every and self.step % cfg.save_every == 0) or \
+                      time.time() - last_save >= cfg.save_minutes * 60
+                if due or timeout or self.step == cfg.steps:
+                    self.save()
+                    last_save = time.time()
+                if timeout:
+                    bar.write(f"stopping at step {self.step}: max_minutes={cfg.max_minutes} reached")
+                    break
+        except KeyboardInterrupt:
+            bar.close()
+            state = ckpt.latest_state(self.out / "checkpoints")
+            where = f"last checkpoint: {state}" if state else "no checkpoint was written yet"
+            print(f"interrupted at step {self.step}; {where} (rerun the same command to resume)")
+            raise
+        finally:
+            bar.close()
+            logfile.close()
+        return self.export()
+
+    def _log(self, f, record: dict[str, Any]) -> None:
+        f.write(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in record.items()}) + "\n")
+        f.flush()
+
+    # -- export --------------------------------------------------------------------------------------------------
+
+    def generation_config(self) -> dict[str, Any]:
+        tok = self.tokenizer
+        eos = [i for i in (tok.token_id(tok.eos_token), tok.token_id("<end_of_turn>")) if i is not None]
+        base = None
+        if self.model_dir and (self.model_dir / "generation_config.json").is_file():
+            base = json.loads((self.model_dir / "generation_config.json").read_text())
+        pad = tok.token_id("<pad>")
+        return ckpt.generation_config(eos, 0 if pad is None else pad, tok.token_id(tok.bos_token) or 2,
+                                      self.cfg.generation, base)
+
+    def export(self) -> Path:
+        """out/final: a full HF-layout checkpoint (LoRA merged); with LoRA also out/adapter."""
+        from dgemma.train.lora import merged_copy, save_adapter
+
+        dtype = torch.bfloat16 if self.cfg.save_dtype == "bfloat16" else torch.float32
+        model = self.model
+        if self.peft is not None:
+            tmp = self.out / "adapter.tmp"
+            save_adapter(self.peft, tmp, self.cfg.model)
+            ckpt.replace_dir(tmp, self.out / "adapter")
+            model = merged_copy(self.peft)
+        return ckpt.export_model(model, self.out / "final", self.tokenizer_dir, self.generation_config(), dtype)
+
+
+def _checkpoint_dir(model: str) -> Path:
+    from dgemma.weights import resolve_checkpoint
+
+    return resolve_checkpoint(model)
+
+
+def _load_tokenizer(directory: Path):
+    from dgemma.tokenizer import Tokenizer
+
+    if not (directory / "tokenizer.json").is_file():
+        raise DgemmaError(f"{directory}: no tokenizer.json (set tokenizer to a directory that has one)")
+    return Tokenizer(directory)
+
+
+def train(cfg: TrainConfig, progress: bool = True) -> Path:
+    return Trainer(cfg, progress).run()
