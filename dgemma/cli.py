@@ -84,7 +84,7 @@ def _add_generate(sub) -> None:
     p.set_defaults(fn=cmd_generate)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dgemma", description="Run, serve and fine-tune DiffusionGemma models.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -93,24 +93,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(fn=cmd_info)
     _add_generate(sub)
-    _add_delegated(sub, "serve", "dgemma.server.command", "run", "serve an OpenAI-compatible HTTP API")
-    _add_delegated(sub, "train", "dgemma.train.command", "run", "train or fine-tune (full or LoRA)")
-    _add_delegated(sub, "bench", "dgemma.bench", "run", "benchmark dgemma against the reference and AR decoding")
+    wanted = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
+    for name, module, help in (("serve", "dgemma.server.command", "serve an OpenAI-compatible HTTP API"),
+                               ("train", "dgemma.train.command", "train or fine-tune (full or LoRA)"),
+                               ("bench", "dgemma.bench", "benchmark dgemma against the reference and AR decoding")):
+        _add_delegated(sub, name, module, help, load=name == wanted)
     return parser
 
 
-def _add_delegated(sub, name: str, module: str, fn: str, help: str, arguments: str = "add_arguments") -> None:
-    """A sub-command whose options and body live in its own module (imported when it runs)."""
+def _add_delegated(sub, name: str, module: str, help: str, load: bool) -> None:
+    """A sub-command whose options and body live in its own module, imported only when that command runs."""
     import importlib
 
-    mod = importlib.import_module(module)
     p = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".")
-    getattr(mod, arguments)(p)
-    p.set_defaults(fn=getattr(mod, fn))
+    if load:
+        mod = importlib.import_module(module)
+        mod.add_arguments(p)
+        p.set_defaults(fn=mod.run)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     try:

@@ -5,8 +5,15 @@ lora.py (peft adapters), checkpoint.py (resumable states, HF-layout export), tra
 config.py (TrainConfig), command.py (`dgemma train`).
 """
 
-from dgemma.train.config import TrainConfig, make_config
-from dgemma.train.objective import ObjectiveConfig, compute_losses
-from dgemma.train.trainer import Trainer, train
-
 __all__ = ["ObjectiveConfig", "TrainConfig", "Trainer", "compute_losses", "make_config", "train"]
+_WHERE = {"ObjectiveConfig": "objective", "compute_losses": "objective", "TrainConfig": "config",
+          "make_config": "config", "Trainer": "trainer", "train": "trainer"}
+
+
+def __getattr__(name: str):
+    # Lazy, so that building the `dgemma` argument parser does not import torch.
+    if name in _WHERE:
+        import importlib
+
+        return getattr(importlib.import_module(f"dgemma.train.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'dgemma.train' has no attribute {name!r}")
