@@ -14,6 +14,7 @@ import torch
 from dgemma.engine import Engine, Event, Request
 from dgemma.engine import autoregressive
 from dgemma.errors import DgemmaError
+from dgemma.model.layers import slow_bf16
 from dgemma.sampling import SamplingParams, make_generator
 from dgemma.textstream import TextStream
 from dgemma.tokenizer import Tokenizer
@@ -56,16 +57,19 @@ def load(path_or_repo: str | Path | None = None, dtype: str | torch.dtype = "aut
             raise DgemmaError("the bundled demo model is missing from this install; pass --model PATH")
         path_or_repo = DEMO_MODEL
     directory = resolve_checkpoint(path_or_repo)
-    torch_dtype = _resolve_dtype(dtype, directory)
     try:
         device = torch.device(device)
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as e:
         raise DgemmaError(f"device {device!s} is not available ({e})") from None
+    torch_dtype = _resolve_dtype(dtype, directory, device)
     return Model(load_model(directory, torch_dtype, device), Tokenizer.maybe_load(directory), directory)
 
 
-def _resolve_dtype(dtype: str | torch.dtype, directory: Path) -> torch.dtype:
+AUTO_FLOAT32_BYTES = 4 << 30  # "auto" upcasts bf16 checkpoints up to this size where bf16 is slow
+
+
+def _resolve_dtype(dtype: str | torch.dtype, directory: Path, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -74,7 +78,10 @@ def _resolve_dtype(dtype: str | torch.dtype, directory: Path) -> torch.dtype:
         except (OSError, json.JSONDecodeError, UnicodeDecodeError):
             config = {}  # load_model reports a missing or broken config.json
         saved = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
-        return torch.bfloat16 if saved == "bfloat16" else torch.float32
+        if saved != "bfloat16":
+            return torch.float32
+        small = sum(f.stat().st_size for f in directory.glob("*.safetensors")) <= AUTO_FLOAT32_BYTES
+        return torch.float32 if small and slow_bf16(device.type) else torch.bfloat16
     if dtype not in DTYPES:
         raise DgemmaError(f"unsupported dtype {dtype!r}; use float32 or bfloat16")
     return DTYPES[dtype]

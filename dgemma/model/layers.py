@@ -12,7 +12,7 @@ from dgemma.config import RopeConfig
 
 
 @functools.cache
-def _slow_bf16(device_type: str) -> bool:
+def slow_bf16(device_type: str) -> bool:
     """True on CPUs without native bf16 matmuls (no AVX512-BF16 / AMX), where bf16 GEMMs run ~50x slower."""
     if device_type != "cpu":
         return False
@@ -22,14 +22,14 @@ def _slow_bf16(device_type: str) -> bool:
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b. bf16 operands on a CPU without native bf16 run as float32 (exact inputs, float32 accumulation,
     rounded back to bf16): what a native bf16 GEMM computes, up to summation order."""
-    if b.dtype == torch.bfloat16 and _slow_bf16(b.device.type):
+    if b.dtype == torch.bfloat16 and slow_bf16(b.device.type):
         return (a.float() @ b.float()).to(a.dtype)
     return a @ b
 
 
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype == torch.bfloat16 and _slow_bf16(x.device.type):
+        if self.weight.dtype == torch.bfloat16 and slow_bf16(x.device.type):
             return F.linear(x.float(), self.weight.float()).to(x.dtype)
         return F.linear(x, self.weight)
 
