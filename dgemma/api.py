@@ -17,7 +17,7 @@ from dgemma.errors import DgemmaError
 from dgemma.model.layers import slow_bf16
 from dgemma.sampling import SamplingParams, make_generator
 from dgemma.textstream import TextStream
-from dgemma.tokenizer import Tokenizer
+from dgemma.tokenizer import Tokenizer, read_json
 from dgemma.weights import load_model, resolve_checkpoint
 
 DEMO_MODEL = Path(__file__).parent / "assets" / "demo"
@@ -87,24 +87,13 @@ def _resolve_dtype(dtype: str | torch.dtype, directory: Path, device: torch.devi
     return DTYPES[dtype]
 
 
-def _read_generation_config(directory: Path) -> dict[str, Any]:
-    path = directory / "generation_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DgemmaError(f"{path}: invalid JSON ({e})") from None
-    return data if isinstance(data, dict) else {}
-
-
 class Model:
     def __init__(self, model, tokenizer: Tokenizer | None, directory: Path):
         self.model = model
         self.tokenizer = tokenizer
         self.directory = directory
         text = model.cfg.text
-        self.defaults = SamplingParams.from_generation_config(_read_generation_config(directory))
+        self.defaults = SamplingParams.from_generation_config(read_json(directory / "generation_config.json"))
         if self.defaults.eos_token_ids is None:
             self.defaults = self.defaults.replace(eos_token_ids=text.eos_token_id)
         self.pad_id = text.pad_token_id

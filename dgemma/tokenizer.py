@@ -17,7 +17,7 @@ class Tokenizer:
             self.tok = HFTokenizer.from_file(str(directory / "tokenizer.json"))
         except Exception as e:  # the tokenizers library raises plain Exceptions
             raise CheckpointError(f"{directory / 'tokenizer.json'}: cannot load tokenizer ({e})") from None
-        config = _read_json(directory / "tokenizer_config.json")
+        config = read_json(directory / "tokenizer_config.json")
         template = config.get("chat_template")
         if template is None and (directory / "chat_template.jinja").is_file():
             template = (directory / "chat_template.jinja").read_text()
@@ -96,7 +96,8 @@ def _token_text(value: Any) -> str | None:
     return value
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
+    """An optional JSON object file of a checkpoint: {} when absent, a one-line error when broken."""
     if not path.is_file():
         return {}
     try:
