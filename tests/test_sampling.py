@@ -14,7 +14,6 @@ from dgemma.sampling import (
     StableConfidentStopper,
     entropy_bound_accept,
     exponential_race,
-    fast_step,
     finalize_canvas,
     freeze_rows,
     make_generator,
@@ -343,48 +342,6 @@ def test_fast_sampler_distribution():
     counts = torch.bincount(draws.flatten(), minlength=V).double()
     assert chi_square(counts, probs.double()) < 20.5  # chi2(df=5) 0.999 quantile
     assert chi_square(counts, torch.full((V,), 1 / V, dtype=torch.double)) > 1000  # the test has power
-    # fast_step's accepted samples come from the same distribution (bound huge: everything accepted).
-    out = fast_step(logits.expand(2, n // 2, V).contiguous(), 1e9, torch.Generator().manual_seed(1))
-    assert out.accepted.all()
-    counts = torch.bincount(out.canvas.flatten(), minlength=V).double()
-    assert chi_square(counts, probs.double()) < 20.5
-
-
-def test_fast_step_entropy_and_acceptance_match_reference():
-    x = random_logits(11, (3, 32, 50))
-    fast, ref = fast_step(x, 0.5), reference_step(x, 0.5)
-    torch.testing.assert_close(fast.entropy, ref.entropy, atol=1e-5, rtol=0)
-    assert torch.equal(fast.accepted, ref.accepted)
-    assert torch.equal(fast.argmax, ref.argmax)
-    assert ((fast.canvas >= 0) & (fast.canvas < 50)).all()
-
-
-def test_fast_step_per_row_generators_are_independent():
-    B, C, V = 2, 32, 50
-    x, y = random_logits(1, (B, C, V)), random_logits(2, (B, C, V))
-    bounds = torch.tensor([[0.5], [0.1]])  # per-row bounds broadcast
-    assert torch.equal(entropy_bound_accept(token_entropy(x), bounds)[1], entropy_bound_accept(token_entropy(x), 0.1)[1])
-    gens = lambda *seeds: [make_generator(s) for s in seeds]  # noqa: E731
-    pair = fast_step(x, 0.5, gens(10, 20))
-    other_neighbour = fast_step(torch.stack([x[0], y[1]]), 0.5, gens(10, 20))
-    alone = fast_step(x[:1], 0.5, gens(10))
-    swapped = fast_step(torch.stack([y[1], x[0]]), 0.5, gens(20, 10))
-    for out in (other_neighbour, alone):
-        assert torch.equal(out.canvas[0], pair.canvas[0])
-    assert torch.equal(swapped.canvas[1], pair.canvas[0])
-    assert not torch.equal(other_neighbour.canvas[1], pair.canvas[1])
-    # A shared generator couples rows: row 1's draws depend on row 0 being there.
-    shared = fast_step(x, 0.5, make_generator(20))
-    assert not torch.equal(shared.canvas[1], pair.canvas[1])
-    with pytest.raises(ValueError):
-        fast_step(x, 0.5, gens(1, 2, 3))
-
-
-def test_fast_step_is_reproducible():
-    x = random_logits(5, (2, 16, 40))
-    a, b = fast_step(x, 0.3, make_generator(3)), fast_step(x, 0.3, make_generator(3))
-    assert torch.equal(a.canvas, b.canvas)
-    assert not torch.equal(a.canvas, fast_step(x, 0.3, make_generator(4)).canvas)
 
 
 def test_sample_next():

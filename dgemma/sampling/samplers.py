@@ -1,9 +1,10 @@
 """Samplers for the denoising step: temperature schedule, token entropy, entropy-bound acceptance,
-renoising, and two full steps. Pure tensor functions: no host syncs, no loops over positions.
+renoising, the reference step, and autoregressive next-token sampling. Pure tensor functions: no host syncs,
+no loops over positions.
 
 `reference_step` reproduces HF's `_denoising_step` draw for draw (multinomial, then randint, from the
-same generator), so identical processed logits and seed give identical ids. `fast_step` samples the same
-distribution with an exponential race (Gumbel-max) and can take one generator per batch row.
+same generator), so identical processed logits and seed give identical ids. The fast path's fused step
+lives in `fused.py`.
 """
 
 from __future__ import annotations
@@ -77,20 +78,6 @@ def reference_step(logits: Tensor, entropy_bound: float, generator: torch.Genera
     entropy = token_entropy(logits, dtype=None)
     accepted = entropy_bound_accept(entropy, entropy_bound)
     noise = torch.randint(0, V, (B, C), device=logits.device, generator=generator)
-    return StepOutput(renoise(sampled, accepted, noise), logits.argmax(-1), accepted, entropy)
-
-
-def fast_step(logits: Tensor, entropy_bound: float | Tensor, generators: Generators = None) -> StepOutput:
-    """Same distribution as `reference_step`, in float32, without multinomial; per-row generators make a
-    row's draws independent of the other rows (each row draws its noise, then its renoise tokens)."""
-    B, C, V = logits.shape
-    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-    probs = logp.exp()
-    entropy = -(probs * logp.clamp_(min=torch.finfo(logp.dtype).min)).sum(-1)
-    del logp  # free a [B, C, V] buffer before the noise takes one
-    sampled = exponential_race(probs, generators)
-    accepted = entropy_bound_accept(entropy, entropy_bound)
-    noise = random_tokens((B, C), V, logits.device, generators)
     return StepOutput(renoise(sampled, accepted, noise), logits.argmax(-1), accepted, entropy)
 
 
