@@ -113,6 +113,7 @@ def load_model(path_or_repo: str | Path, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> DiffusionGemma:
     """Build the model on the meta device and materialise each tensor once, in `dtype`, from mmapped files."""
     directory = resolve_checkpoint(path_or_repo)
+    device = torch.device(device)
     cfg = read_config(directory)
     files = tensor_files(directory)
     with torch.device("meta"):
@@ -156,8 +157,8 @@ def _read(f, name: str, path: Path, dtype: torch.dtype, device) -> torch.Tensor:
         view = f.get_slice(name)
         shape = view.get_shape()
         stored = view.get_dtype()
-        if not shape or stored in ("BF16", "F16", "F32", "F64") and _DTYPES.get(stored) == dtype and device == "cpu":
-            return f.get_tensor(name)
+        if not shape or (_DTYPES.get(stored) == dtype and device.type == "cpu"):
+            return f.get_tensor(name)  # zero-copy on the memory map
         out = torch.empty(shape, dtype=dtype, device=device)
         row_bytes = max(1, math.prod(shape[1:]) * 4)
         step = max(1, _CONVERT_ROWS_BYTES // row_bytes)
