@@ -305,10 +305,10 @@ class Engine:
         eos = b.rows[0].eos if self.reference else self.eos_ids
         padded, _ = finalize_canvas(b.argmax, list(eos), self.pad_id, finished_before)
         now = time.perf_counter()
-        for r, ids in zip(b.rows, b.argmax.tolist()):
+        for r, ids, steps in zip(b.rows, b.argmax.tolist(), b.row_steps):
             if r.finished:
                 continue
-            r.stats.steps_per_canvas.append(b.row_steps[b.rows.index(r)])
+            r.stats.steps_per_canvas.append(steps)
             hit_eos = any(t in r.eos for t in ids[:r.budget])
             new = self._visible(ids, r)
             r.output.extend(new)
