@@ -53,6 +53,20 @@ class _Batch:
     stopper: StableConfidentStopper | None = None
 
 
+def prefill_groups(rows: list[Request], waste: float = 0.25) -> list[list[Request]]:
+    """Rows admitted together, grouped for batched prefill: by prompt length, so that left padding adds at
+    most `waste` of the group's real tokens."""
+    rows = sorted(rows, key=lambda r: len(r.prompt))
+    groups: list[list[Request]] = []
+    for r in rows:
+        g = groups[-1] if groups else None
+        if g and len(r.prompt) * (len(g) + 1) <= (1 + waste) * (sum(len(q.prompt) for q in g) + len(r.prompt)):
+            g.append(r)
+        else:
+            groups.append([r])
+    return groups
+
+
 class Engine:
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], pad_id: int = 0,
                  sampling: str = "fast", max_batch: int = 16):
@@ -146,41 +160,44 @@ class Engine:
         if self.reference:
             if self.batch is None:
                 rows, self.waiting = self.waiting, []
-                self.batch = self._prefill_together(rows)
+                max_new = max(r.params.max_new_tokens for r in rows)
+                cache, offsets = self._prefill(rows, max_new + 2 * self.canvas_length)
+                self.batch = _Batch(rows, cache, offsets)
             return
         room = self.max_batch - (0 if self.batch is None else len(self.batch.rows))
         rows, self.waiting = self.waiting[:room], self.waiting[room:]
         if not rows:
             return
-        parts = [self._prefill_one(r) for r in rows]
+        groups = prefill_groups(rows)
+        parts = [self._prefill(g, 2 * self.canvas_length) for g in groups]
         caches = ([self.batch.cache] if self.batch is not None else []) + [c for c, _ in parts]
         offsets = ([self.batch.offsets] if self.batch is not None else []) + [o for _, o in parts]
         old_rows = self.batch.rows if self.batch is not None else []
         capacity = max(c.length for c in caches) + 2 * self.canvas_length
         cache, pads = KVCache.merge(caches, capacity)
         pad_rows = torch.tensor(pads, device=cache.valid.device)
-        self.batch = _Batch(old_rows + rows, cache, torch.cat(offsets) + pad_rows)
+        self.batch = _Batch(old_rows + [r for g in groups for r in g], cache, torch.cat(offsets) + pad_rows)
 
-    def _prefill_one(self, req: Request) -> tuple[KVCache, torch.Tensor]:
-        req.stats.t_start = time.perf_counter()
-        cache = self.model.new_cache(1, len(req.prompt) + 2 * self.canvas_length)
-        self.model.encode(torch.tensor([req.prompt], device=self.model.device), cache)
-        return cache, torch.zeros(1, dtype=torch.long, device=self.model.device)
-
-    def _prefill_together(self, rows: list[Request]) -> _Batch:
-        """Reference layout: prompts left-padded into one batch, positions shared by all rows."""
+    def _prefill(self, rows: list[Request], room: int) -> tuple[KVCache, torch.Tensor]:
+        """One encoder pass over the prompts, left-padded; returns the cache (with `room` free slots) and each
+        row's offset. Fast rows keep their own positions (offset = left pad); the reference layout shares
+        positions across rows, as transformers does."""
         n = max(len(r.prompt) for r in rows)
+        pads = torch.tensor([n - len(r.prompt) for r in rows])
         ids = torch.full((len(rows), n), self.pad_id, dtype=torch.long)
-        valid = torch.zeros(len(rows), n, dtype=torch.bool)
         for i, r in enumerate(rows):
-            ids[i, n - len(r.prompt):] = torch.tensor(r.prompt)
-            valid[i, n - len(r.prompt):] = True
+            ids[i, n - len(r.prompt):] = torch.tensor(r.prompt, dtype=torch.long)
             r.stats.t_start = time.perf_counter()
-        max_new = max(r.params.max_new_tokens for r in rows)
-        cache = self.model.new_cache(len(rows), n + max_new + 2 * self.canvas_length)
         device = self.model.device
-        self.model.encode(ids.to(device), cache, valid=valid.to(device))
-        return _Batch(rows, cache, torch.zeros(len(rows), dtype=torch.long, device=device))
+        valid = (torch.arange(n)[None] >= pads[:, None]).to(device)
+        cache = self.model.new_cache(len(rows), n + room)
+        if self.reference:
+            pads = torch.zeros_like(pads)
+            positions = None
+        else:
+            positions = (torch.arange(n)[None] - pads[:, None]).clamp(min=0).to(device)
+        self.model.encode(ids.to(device), cache, valid=valid, positions=positions)
+        return cache, pads.to(device)
 
     def _start_canvas(self, b: _Batch) -> None:
         shape = (len(b.rows), self.canvas_length)
@@ -220,7 +237,7 @@ class Engine:
         if bool(finished_before.any()):
             argmax = freeze_rows(finished_before, b.argmax, argmax)
             canvas = freeze_rows(finished_before, b.canvas, canvas)
-            signal = freeze_rows(finished_before, b.signal, signal) if b.signal is not None else signal
+            signal = freeze_rows(finished_before, b.signal, signal) if None not in (b.signal, signal) else signal
         b.done = finished_before | b.stopper.update(argmax, entropy)
         b.canvas, b.argmax, b.signal = canvas, argmax, signal
         b.step_index += 1
@@ -250,8 +267,10 @@ class Engine:
                 uniforms[i] = torch.rand(uniforms.shape[1:], generator=r.generator, device=device)
         inv_t = (1.0 / temps)[:, None].expand(bsz, c).reshape(-1)
         cfg = self.model.cfg.text
+        # on a canvas's last step nobody reads the self-conditioning signal: skip its GEMM
+        last = all(f or r.finished or b.step_index + 1 >= r.params.max_denoising_steps for f, r in zip(frozen, b.rows))
         out = vocab_step(hidden.reshape(-1, h), self.model.embed_tokens.weight, cfg.final_logit_softcapping,
-                         self.model.embed_scale, inv_t, uniforms.flatten(0, 1))
+                         self.model.embed_scale, inv_t, uniforms.flatten(0, 1), want_signal=not last)
         entropy = out.entropy.view(bsz, c)
         bounds = torch.tensor([r.params.entropy_bound for r in b.rows], device=device)[:, None]
         accept = entropy_bound_accept(entropy, bounds)
@@ -259,7 +278,8 @@ class Engine:
             if not frozen[i]:
                 noise[i] = random_tokens((c,), self.vocab_size, device, r.generator)
         canvas = torch.where(accept, out.sample.view(bsz, c), noise)
-        return canvas, out.argmax.view(bsz, c), entropy, out.signal.view(bsz, c, h)
+        signal = None if out.signal is None else out.signal.view(bsz, c, h)
+        return canvas, out.argmax.view(bsz, c), entropy, signal
 
     def _drop_aborted(self, b: _Batch) -> bool:
         """Aborted rows leave mid-canvas (fast mode) so they stop costing compute; False if none is left."""
