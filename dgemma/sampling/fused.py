@@ -49,11 +49,14 @@ class _Buffers:
 
 
 def vocab_step(hidden: Tensor, embedding: Tensor, softcap: float, embed_scale: float, inv_temp: Tensor,
-               uniforms: Tensor, want_signal: bool = True) -> VocabStep:
+               uniforms: Tensor, want_signal: bool = True, sync_free: bool | None = None) -> VocabStep:
     """hidden [N, H] (final-normed), embedding [V, H], inv_temp [N], uniforms [N, num_uniforms(V)] in [0, 1).
-    `want_signal=False` skips the soft embedding (half the GEMM work) when no later step will read it."""
+    `want_signal=False` skips the soft embedding (half the GEMM work) when no later step will read it.
+    `sync_free` (default: off the CPU) updates every row each chunk instead of asking the host which rows
+    changed: more arithmetic, no device-to-host synchronisation."""
     n, v = hidden.shape[0], embedding.shape[0]
     device = hidden.device
+    sync_free = device.type != "cpu" if sync_free is None else sync_free
     f32 = dict(dtype=torch.float32, device=device)
     gemm_dtype = torch.float32 if embedding.dtype == torch.bfloat16 and slow_bf16(device.type) else embedding.dtype
     buf = _Buffers(n, min(VOCAB_CHUNK, v), embedding.shape[1], gemm_dtype, device)
@@ -78,10 +81,12 @@ def vocab_step(hidden: Tensor, embedding: Tensor, softcap: float, embed_scale: f
         s.mul_(2 / softcap).sigmoid_()
         top = s.amax(dim=-1)
         better = top > best
-        if bool(better.any()):  # a new row maximum: rare after the first chunks, so argmax runs on few rows
+        if sync_free:
+            argmax = torch.where(better, s.argmax(-1) + lo, argmax)
+        elif bool(better.any()):  # a new row maximum: rare after the first chunks, so argmax runs on few rows
             rows = better.nonzero().squeeze(1)
             argmax[rows] = s[rows].argmax(-1) + lo
-            best = torch.where(better, top, best)
+        best = torch.maximum(best, top)
         new_peak = torch.maximum(peak, (top[:, None] * scale - shift).squeeze(1))
         decay = torch.exp2(peak - new_peak)
         s.mul_(scale).sub_(shift + new_peak[:, None])  # s - peak <= 0
@@ -99,13 +104,18 @@ def vocab_step(hidden: Tensor, embedding: Tensor, softcap: float, embed_scale: f
         # weighted reservoir: the chunk replaces the sample with probability chunk_mass / mass, and only the
         # rows it replaces need the candidate (an inverse-CDF draw inside the chunk)
         take = uniforms[:, 2 * k + 1] * mass < chunk_mass
-        if bool(take.any()):
+        if sync_free:
+            sample = torch.where(take, _inverse_cdf(p, uniforms[:, 2 * k], chunk_mass) + lo, sample)
+        elif bool(take.any()):
             rows = take.nonzero().squeeze(1)
-            cdf = p[rows].cumsum(-1)
-            target = (uniforms[rows, 2 * k] * chunk_mass[rows])[:, None]
-            pick = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=w - 1)
-            sample[rows] = pick + lo
+            sample[rows] = _inverse_cdf(p[rows], uniforms[rows, 2 * k], chunk_mass[rows]) + lo
         peak = new_peak
     entropy = (torch.log2(mass) - moment / mass) / LOG2E
     signal = (soft / mass[:, None] * embed_scale).to(embedding.dtype) if want_signal else None
     return VocabStep(argmax, sample, entropy, signal)
+
+
+def _inverse_cdf(p: Tensor, u: Tensor, total: Tensor) -> Tensor:
+    """Per row, the index where the running sum of p [R, W] first exceeds u * total."""
+    cdf = p.cumsum(-1)
+    return torch.searchsorted(cdf, (u * total)[:, None], right=True).squeeze(1).clamp_(max=p.shape[1] - 1)
