@@ -80,6 +80,62 @@ def test_batch_independence_in_fast_mode(name, tmp_path):
     assert together[0].token_ids == model.generate(b, **kw).token_ids
 
 
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_prompts_prefilled_together_match_alone(name, tmp_path):
+    """Prompts of close lengths admitted together share one left-padded prefill; each row still gets its own
+    positions, so its output equals the output it gets alone."""
+    from dgemma.engine.engine import prefill_groups
+
+    build_reference(name, tmp_path, spread=0.2, embed=10)
+    model = dgemma.load(tmp_path)
+    a, _ = _prompts(model)
+    prompts = [a, a[1:], a[:5] + a[:2]]  # lengths 7, 6, 7: one prefill group with one padded row
+    assert len(prefill_groups([_FakeRequest(p) for p in prompts])) == 1
+    kw = dict(max_new_tokens=model.model.cfg.canvas_length + 3, seed=5, sampling="fast", t_min=0.05, t_max=0.1,
+              max_denoising_steps=12)
+    together = model.generate(prompts, **kw)
+    for p, got in zip(prompts, together):
+        assert got.token_ids == model.generate(p, **kw).token_ids
+
+
+class _FakeRequest:
+    def __init__(self, prompt):
+        self.prompt = prompt
+
+
+def test_prefill_groups_bound_padding():
+    from dgemma.engine.engine import prefill_groups
+
+    rows = [_FakeRequest([0] * n) for n in (100, 3, 98, 4, 400, 101)]
+    groups = prefill_groups(rows)
+    assert sorted(len(r.prompt) for g in groups for r in g) == [3, 4, 98, 100, 101, 400]
+    for g in groups:
+        longest, real = max(len(r.prompt) for r in g), sum(len(r.prompt) for r in g)
+        assert longest * len(g) <= 1.25 * real
+    assert [len(g) for g in groups] == [2, 3, 1]  # {3, 4}, {98, 100, 101}, {400}
+
+
+def test_last_step_skips_only_an_unread_signal(monkeypatch, pair):
+    """The fast path skips the self-conditioning GEMM on a canvas's last step; computing it anyway changes
+    nothing, so the skip never drops a signal a later step reads."""
+    import dgemma.engine.engine as engine
+
+    _, model, _ = pair
+    a, b = _prompts(model)
+    kw = dict(max_new_tokens=2 * model.model.cfg.canvas_length, seed=4, sampling="fast", max_denoising_steps=3)
+    skipped = [r.token_ids for r in model.generate([a, b], **kw)]
+    calls = []
+    real = engine.vocab_step
+
+    def always(*args, want_signal=True, **kw2):
+        calls.append(want_signal)
+        return real(*args, want_signal=True, **kw2)
+
+    monkeypatch.setattr(engine, "vocab_step", always)
+    assert [r.token_ids for r in model.generate([a, b], **kw)] == skipped
+    assert False in calls and True in calls
+
+
 def test_each_request_stops_on_its_own(pair):
     _, model, _ = pair
     a, b = _prompts(model)
