@@ -402,6 +402,32 @@ def test_command_errors(workdir, tmp_path):
         run(parser.parse_args(["--config", str(toml)]))
 
 
+def test_merge_adapter_errors_are_one_line(workdir, tmp_path):
+    """A missing, malformed or mismatched adapter is a user mistake: a DgemmaError, and nothing is written."""
+    from dgemma.train.command import add_arguments, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = tmp_path / "base"
+    Trainer(tiny_config(workdir, tmp_path / "scratch", steps=1), progress=False).run()
+    (tmp_path / "scratch" / "final").rename(base)
+    garbled, empty, wrong = tmp_path / "garbled", tmp_path / "empty", tmp_path / "wrong"
+    for d in (garbled, empty, wrong):
+        d.mkdir()
+    (garbled / "adapter_config.json").write_text("{not json")
+    (wrong / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["no_such_module"]}))
+    out = tmp_path / "merged"
+    cases = [([str(empty), "--model", str(base)], "not a LoRA adapter directory"),
+             ([str(garbled)], "not a valid adapter config"),
+             ([str(garbled), "--model", str(base)], "cannot apply the adapter"),
+             ([str(wrong), "--model", str(base)], "cannot apply the adapter")]
+    for argv, message in cases:
+        with pytest.raises(DgemmaError, match=message):
+            run(parser.parse_args(["--merge-adapter", *argv, "--out", str(out)]))
+        assert not out.exists()
+
+
 def test_bf16_autocast_keeps_fp32_master_weights(workdir, tmp_path):
     trainer = Trainer(tiny_config(workdir, tmp_path, precision="bf16"), progress=False)
     assert trainer.amp == torch.bfloat16

@@ -99,7 +99,10 @@ def run_merge(args: argparse.Namespace) -> int:
     adapter = Path(args.merge_adapter)
     base = args.model
     if base is None and (adapter / "adapter_config.json").is_file():
-        base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        try:
+            base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            raise DgemmaError(f"{adapter}/adapter_config.json is not a valid adapter config; pass --model") from None
     if not base:
         raise DgemmaError("--merge-adapter needs --model (the base checkpoint the adapter was trained on)")
     if not args.out:

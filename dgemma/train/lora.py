@@ -68,7 +68,7 @@ def merge_adapter(model: torch.nn.Module, adapter_dir: str | Path) -> torch.nn.M
         raise DgemmaError(f"{adapter_dir}: not a LoRA adapter directory (no adapter_config.json)")
     try:
         peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
-    except (ValueError, RuntimeError, KeyError) as e:
+    except (ValueError, RuntimeError, KeyError, TypeError, AttributeError, OSError) as e:
         raise DgemmaError(f"{adapter_dir}: cannot apply the adapter to this model ({e})") from None
     return peft_model.merge_and_unload()
 
