@@ -48,7 +48,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(model.generate(prompt, **options).to_dict()))
         return 0
-    print_stream(model.stream(prompt, drafts=args.visual, **options), visual=args.visual, show_ids=model.tokenizer is None)
+    events = model.stream(prompt, drafts=args.visual, **options)
+    print_stream(events, visual=args.visual, show_ids=model.tokenizer is None)
     return 0
 
 
