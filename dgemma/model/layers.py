@@ -19,18 +19,27 @@ def slow_bf16(device_type: str) -> bool:
     return not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
+def gemm_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype a GEMM with this weight runs in: float32 for bf16 weights on a CPU without native bf16 (exact
+    inputs, float32 accumulation: what a native bf16 GEMM computes, up to summation order), else its own."""
+    if weight.dtype == torch.bfloat16 and slow_bf16(weight.device.type):
+        return torch.float32
+    return weight.dtype
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b. bf16 operands on a CPU without native bf16 run as float32 (exact inputs, float32 accumulation,
-    rounded back to bf16): what a native bf16 GEMM computes, up to summation order."""
-    if b.dtype == torch.bfloat16 and slow_bf16(b.device.type):
-        return (a.float() @ b.float()).to(a.dtype)
+    """a @ b in `gemm_dtype(b)`, rounded back to a's dtype."""
+    dtype = gemm_dtype(b)
+    if dtype != b.dtype:
+        return (a.to(dtype) @ b.to(dtype)).to(a.dtype)
     return a @ b
 
 
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype == torch.bfloat16 and slow_bf16(x.device.type):
-            return F.linear(x.float(), self.weight.float()).to(x.dtype)
+        dtype = gemm_dtype(self.weight)
+        if dtype != self.weight.dtype:
+            return F.linear(x.to(dtype), self.weight.to(dtype)).to(x.dtype)
         return F.linear(x, self.weight)
 
 

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from dgemma.model.layers import slow_bf16
+from dgemma.model.layers import gemm_dtype
 
 VOCAB_CHUNK = 2048
 LOG2E = 1.0 / math.log(2.0)
@@ -58,9 +58,9 @@ def vocab_step(hidden: Tensor, embedding: Tensor, softcap: float, embed_scale: f
     device = hidden.device
     sync_free = device.type != "cpu" if sync_free is None else sync_free
     f32 = dict(dtype=torch.float32, device=device)
-    gemm_dtype = torch.float32 if embedding.dtype == torch.bfloat16 and slow_bf16(device.type) else embedding.dtype
-    buf = _Buffers(n, min(VOCAB_CHUNK, v), embedding.shape[1], gemm_dtype, device)
-    x = hidden.to(gemm_dtype)
+    mm_dtype = gemm_dtype(embedding)
+    buf = _Buffers(n, min(VOCAB_CHUNK, v), embedding.shape[1], mm_dtype, device)
+    x = hidden.to(mm_dtype)
     peak = torch.full((n,), -math.inf, **f32)  # running max of the base-2 scores
     mass = torch.zeros(n, **f32)  # sum of 2^(s - peak)
     moment = torch.zeros(n, **f32)  # sum of 2^(s - peak) * (s - peak)
@@ -72,7 +72,7 @@ def vocab_step(hidden: Tensor, embedding: Tensor, softcap: float, embed_scale: f
     scale = (2 * softcap * LOG2E * inv_temp)[:, None]
     shift = (softcap * LOG2E * inv_temp)[:, None]
     for k, lo in enumerate(range(0, v, VOCAB_CHUNK)):
-        chunk = embedding[lo:lo + VOCAB_CHUNK].to(gemm_dtype)
+        chunk = embedding[lo:lo + VOCAB_CHUNK].to(mm_dtype)
         w = chunk.shape[0]
         s, p = buf.score[:, :w], buf.prob[:, :w]
         torch.mm(x, chunk.T, out=buf.logits[:, :w])
