@@ -14,14 +14,13 @@ import torch
 from dgemma.engine import Engine, Event, Request
 from dgemma.engine import autoregressive
 from dgemma.errors import DgemmaError
-from dgemma.model.layers import slow_bf16
+from dgemma.dtypes import native_bf16, parse_dtype
 from dgemma.sampling import SamplingParams, make_generator
 from dgemma.textstream import TextStream
 from dgemma.tokenizer import Tokenizer, read_json
 from dgemma.weights import load_model, resolve_checkpoint
 
 DEMO_MODEL = Path(__file__).parent / "assets" / "demo"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp32": torch.float32, "bf16": torch.bfloat16}
 
 Prompt = str | list[int] | list[dict[str, Any]]
 
@@ -70,8 +69,6 @@ AUTO_FLOAT32_BYTES = 4 << 30  # "auto" upcasts bf16 checkpoints up to this size 
 
 
 def _resolve_dtype(dtype: str | torch.dtype, directory: Path, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
     if dtype == "auto":
         try:
             config = json.loads((directory / "config.json").read_text())
@@ -81,10 +78,8 @@ def _resolve_dtype(dtype: str | torch.dtype, directory: Path, device: torch.devi
         if saved != "bfloat16":
             return torch.float32
         small = sum(f.stat().st_size for f in directory.glob("*.safetensors")) <= AUTO_FLOAT32_BYTES
-        return torch.float32 if small and slow_bf16(device.type) else torch.bfloat16
-    if dtype not in DTYPES:
-        raise DgemmaError(f"unsupported dtype {dtype!r}; use float32 or bfloat16")
-    return DTYPES[dtype]
+        return torch.float32 if small and not native_bf16(device.type) else torch.bfloat16
+    return parse_dtype(dtype)
 
 
 class Model:

@@ -8,20 +8,11 @@ import logging
 import sys
 
 from dgemma.errors import DgemmaError
-
-
-def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory or cached Hugging Face repo id "
-                   "(default: the bundled demo model)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="weight dtype (auto: bfloat16 checkpoints stay bfloat16, else float32)")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+from dgemma.options import add_model_options, load_model_from_args
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from dgemma.api import load
-
-    model = load(args.model, dtype=args.dtype, device=args.device)
+    model = load_model_from_args(args)
     info = model.describe()
     if args.json:
         print(json.dumps(info))
@@ -32,7 +23,6 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from dgemma.api import load
     from dgemma.display import print_stream
 
     if (args.prompt is None) == (args.prompt_ids is None):
@@ -40,7 +30,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt_ids is None else _parse_ids(args.prompt_ids)
     if args.chat and isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
-    model = load(args.model, dtype=args.dtype, device=args.device)
+    model = load_model_from_args(args)
     options = {"max_new_tokens": args.max_new_tokens, "max_denoising_steps": args.steps, "t_min": args.t_min,
                "t_max": args.t_max, "entropy_bound": args.entropy_bound, "seed": args.seed,
                "sampling": args.sampling, "mode": args.mode, "stop": tuple(args.stop) or None,
@@ -65,7 +55,7 @@ def _add_generate(sub) -> None:
                        description="Generate with block diffusion (or autoregressively) from a prompt.")
     p.add_argument("prompt", nargs="?", help="prompt text")
     p.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 2,651,1024")
-    _add_model(p)
+    add_model_options(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat template")
     p.add_argument("--max-new-tokens", type=int, help="exact number of tokens at most (default: checkpoint's)")
     p.add_argument("--steps", type=int, help="maximum denoising steps per canvas")
@@ -90,7 +80,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("info", help="load a checkpoint and describe it")
-    _add_model(p)
+    add_model_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(fn=cmd_info)
     _add_generate(sub)

@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dgemma.config import RopeConfig
-
-
-@functools.cache
-def slow_bf16(device_type: str) -> bool:
-    """True on CPUs without native bf16 matmuls (no AVX512-BF16 / AMX), where bf16 GEMMs run ~50x slower."""
-    if device_type != "cpu":
-        return False
-    return not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+from dgemma.dtypes import native_bf16
 
 
 def gemm_dtype(weight: torch.Tensor) -> torch.dtype:
     """The dtype a GEMM with this weight runs in: float32 for bf16 weights on a CPU without native bf16 (exact
     inputs, float32 accumulation: what a native bf16 GEMM computes, up to summation order), else its own."""
-    if weight.dtype == torch.bfloat16 and slow_bf16(weight.device.type):
+    if weight.dtype == torch.bfloat16 and not native_bf16(weight.device.type):
         return torch.float32
     return weight.dtype
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from dgemma.errors import DgemmaError
+from dgemma.options import add_model_options, load_model_from_args
 from dgemma.server.config import ServerConfig
 
 log = logging.getLogger("dgemma.server")
@@ -19,10 +20,7 @@ KEY_ENV = "DGEMMA_API_KEY"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory or cached Hugging Face repo id "
-                   "(default: the bundled demo model)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="weight dtype")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    add_model_options(p)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--served-model-name", help="model id clients send (default: the directory's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
@@ -61,7 +59,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from dgemma.api import load
     from dgemma.server.app import create_app
     from dgemma.server.security import MAX_HEADER_BYTES
 
@@ -81,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(config, lambda: load(args.model, dtype=args.dtype, device=args.device), on_fatal)
+    app = create_app(config, lambda: load_model_from_args(args), on_fatal)
     uv = uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log, http="h11",
                         lifespan="on", server_header=False, h11_max_incomplete_event_size=MAX_HEADER_BYTES * 2,
                         timeout_graceful_shutdown=int(config.shutdown_timeout) + 5)

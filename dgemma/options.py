@@ -1,0 +1,22 @@
+"""The model-loading options every command shares (`--model`, `--dtype`, `--device`), declared once."""
+
+from __future__ import annotations
+
+import argparse
+
+from dgemma.dtypes import NAMES
+
+
+def add_model_options(p: argparse.ArgumentParser, dtype_help: str | None = None) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory or cached Hugging Face repo id "
+                   "(default: the bundled demo model)")
+    p.add_argument("--dtype", default="auto", choices=("auto", *NAMES),
+                   help=dtype_help or "weight dtype (auto: bfloat16 checkpoints stay bfloat16, else float32)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+
+
+def load_model_from_args(args: argparse.Namespace):
+    """`dgemma.load` with the shared options."""
+    from dgemma.api import load
+
+    return load(args.model, dtype=args.dtype, device=args.device)
