@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from dgemma.model.layers import gemm_dtype
+from dgemma.sampling.samplers import StepOutput, entropy_bound_accept, random_tokens, renoise
 
-VOCAB_CHUNK = 2048
 LOG2E = 1.0 / math.log(2.0)
 
 
@@ -30,9 +30,15 @@ class VocabStep(NamedTuple):
     signal: Tensor | None  # [N, H] soft embedding softmax(logits / T) @ E * sqrt(H), in E's dtype
 
 
-def num_uniforms(vocab_size: int) -> int:
+def vocab_chunk(device: torch.device) -> int:
+    """Vocabulary entries per chunk: small blocks that stay in a CPU's caches; on accelerators few large
+    blocks, so that a step is tens of kernel launches, not thousands."""
+    return 2048 if device.type == "cpu" else 65536
+
+
+def num_uniforms(vocab_size: int, chunk: int) -> int:
     """Uniforms per position that `vocab_step` consumes (two per vocabulary chunk)."""
-    return 2 * math.ceil(vocab_size / VOCAB_CHUNK)
+    return 2 * math.ceil(vocab_size / chunk)
 
 
 class _Buffers:
@@ -49,17 +55,20 @@ class _Buffers:
 
 
 def vocab_step(hidden: Tensor, embedding: Tensor, softcap: float, embed_scale: float, inv_temp: Tensor,
-               uniforms: Tensor, want_signal: bool = True, sync_free: bool | None = None) -> VocabStep:
-    """hidden [N, H] (final-normed), embedding [V, H], inv_temp [N], uniforms [N, num_uniforms(V)] in [0, 1).
+               uniforms: Tensor, want_signal: bool = True, sync_free: bool | None = None,
+               chunk: int | None = None) -> VocabStep:
+    """hidden [N, H] (final-normed), embedding [V, H], inv_temp [N], uniforms [N, num_uniforms(V, chunk)] in
+    [0, 1); chunk defaults to `vocab_chunk(device)`.
     `want_signal=False` skips the soft embedding (half the GEMM work) when no later step will read it.
     `sync_free` (default: off the CPU) updates every row each chunk instead of asking the host which rows
     changed: more arithmetic, no device-to-host synchronisation."""
     n, v = hidden.shape[0], embedding.shape[0]
     device = hidden.device
     sync_free = device.type != "cpu" if sync_free is None else sync_free
+    chunk = chunk or vocab_chunk(device)
     f32 = dict(dtype=torch.float32, device=device)
     mm_dtype = gemm_dtype(embedding)
-    buf = _Buffers(n, min(VOCAB_CHUNK, v), embedding.shape[1], mm_dtype, device)
+    buf = _Buffers(n, min(chunk, v), embedding.shape[1], mm_dtype, device)
     x = hidden.to(mm_dtype)
     peak = torch.full((n,), -math.inf, **f32)  # running max of the base-2 scores
     mass = torch.zeros(n, **f32)  # sum of 2^(s - peak)
@@ -71,11 +80,11 @@ def vocab_step(hidden: Tensor, embedding: Tensor, softcap: float, embed_scale: f
     # softcap * tanh(x / softcap) / T in base 2, as scale * sigmoid(2x / softcap) - shift: sigmoid is much faster
     scale = (2 * softcap * LOG2E * inv_temp)[:, None]
     shift = (softcap * LOG2E * inv_temp)[:, None]
-    for k, lo in enumerate(range(0, v, VOCAB_CHUNK)):
-        chunk = embedding[lo:lo + VOCAB_CHUNK].to(mm_dtype)
-        w = chunk.shape[0]
+    for k, lo in enumerate(range(0, v, chunk)):
+        block = embedding[lo:lo + chunk].to(mm_dtype)
+        w = block.shape[0]
         s, p = buf.score[:, :w], buf.prob[:, :w]
-        torch.mm(x, chunk.T, out=buf.logits[:, :w])
+        torch.mm(x, block.T, out=buf.logits[:, :w])
         if buf.logits is not buf.score:
             s.copy_(buf.logits[:, :w])
         s.mul_(2 / softcap).sigmoid_()
@@ -99,7 +108,7 @@ def vocab_step(hidden: Tensor, embedding: Tensor, softcap: float, embed_scale: f
         if want_signal:
             if buf.prob_mm is not buf.prob:
                 buf.prob_mm[:, :w].copy_(p)
-            torch.mm(buf.prob_mm[:, :w], chunk, out=buf.part)
+            torch.mm(buf.prob_mm[:, :w], block, out=buf.part)
             soft.mul_(decay[:, None]).add_(buf.part)
         # weighted reservoir: the chunk replaces the sample with probability chunk_mass / mass, and only the
         # rows it replaces need the candidate (an inverse-CDF draw inside the chunk)
@@ -119,3 +128,29 @@ def _inverse_cdf(p: Tensor, u: Tensor, total: Tensor) -> Tensor:
     """Per row, the index where the running sum of p [R, W] first exceeds u * total."""
     cdf = p.cumsum(-1)
     return torch.searchsorted(cdf, (u * total)[:, None], right=True).squeeze(1).clamp_(max=p.shape[1] - 1)
+
+
+def fast_step(hidden: Tensor, embedding: Tensor, softcap: float, embed_scale: float, inv_temp: Tensor,
+              entropy_bound: Tensor, generators: list[torch.Generator], frozen: list[bool],
+              want_signal: bool) -> tuple[StepOutput, Tensor | None]:
+    """The fast denoising step for hidden [B, C, H]: `vocab_step`, entropy-bound acceptance, renoising; returns
+    the step and the self-conditioning signal [B, C, H] (None when not wanted). Each row draws from its own
+    generator (uniforms, then renoise tokens); frozen rows draw nothing, so a row's random stream does not
+    depend on how long the rest of the batch runs. inv_temp, entropy_bound: [B]."""
+    bsz, c, h = hidden.shape
+    vocab, device = embedding.shape[0], hidden.device
+    chunk = vocab_chunk(device)
+    uniforms = torch.zeros(bsz, c, num_uniforms(vocab, chunk), device=device)
+    noise = torch.zeros(bsz, c, dtype=torch.long, device=device)
+    live = [i for i, f in enumerate(frozen) if not f]
+    for i in live:
+        uniforms[i] = torch.rand(uniforms.shape[1:], generator=generators[i], device=device)
+    out = vocab_step(hidden.reshape(-1, h), embedding, softcap, embed_scale, inv_temp.repeat_interleave(c),
+                     uniforms.flatten(0, 1), want_signal=want_signal, chunk=chunk)
+    entropy = out.entropy.view(bsz, c)
+    accept = entropy_bound_accept(entropy, entropy_bound[:, None])
+    for i in live:
+        noise[i] = random_tokens((c,), vocab, device, generators[i])
+    canvas = renoise(out.sample.view(bsz, c), accept, noise)
+    signal = None if out.signal is None else out.signal.view(bsz, c, h)
+    return StepOutput(canvas, out.argmax.view(bsz, c), accept, entropy), signal
