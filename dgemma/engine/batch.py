@@ -20,18 +20,16 @@ def prefill(model: DiffusionGemma, rows: list[Request], pad_id: int, room: int,
     """One encoder pass over the rows' prompts, left-padded; returns the cache (with `room` free slots) and each
     row's left pad [B]. With `own_positions` each row's positions start at 0 after its padding; otherwise the
     batch shares positions, as transformers does."""
-    n = max(len(r.prompt) for r in rows)
-    pads = torch.tensor([n - len(r.prompt) for r in rows])
-    ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, n - len(r.prompt):] = torch.tensor(r.prompt, dtype=torch.long)
-        r.stats.t_start = time.perf_counter()
-    device = model.device
-    valid = (torch.arange(n)[None] >= pads[:, None]).to(device)
+    device, n = model.device, max(len(r.prompt) for r in rows)
+    pads = torch.tensor([n - len(r.prompt) for r in rows], device=device)
+    ids = torch.tensor([[pad_id] * (n - len(r.prompt)) + r.prompt for r in rows], device=device)
+    slots = torch.arange(n, device=device)[None]
+    positions = (slots - pads[:, None]).clamp(min=0) if own_positions else None
     cache = model.new_cache(len(rows), n + room)
-    positions = (torch.arange(n)[None] - pads[:, None]).clamp(min=0).to(device) if own_positions else None
-    model.encode(ids.to(device), cache, valid=valid, positions=positions)
-    return cache, pads.to(device)
+    for r in rows:
+        r.stats.t_start = time.perf_counter()
+    model.encode(ids, cache, valid=slots >= pads[:, None], positions=positions)
+    return cache, pads
 
 
 def _row_table(values: list[list[float]] | list[list[int]], device, dtype, fill) -> Tensor:
@@ -59,8 +57,8 @@ class Canvas:
     @classmethod
     def start(cls, rows: list[Request], tokens: Tensor) -> Canvas:
         device, f32 = tokens.device, torch.float32
-        schedules = [temperature_schedule(r.params.max_denoising_steps, r.params.t_min, r.params.t_max).tolist()
-                     for r in rows]
+        schedules = [temperature_schedule(r.params.max_denoising_steps, r.params.t_min, r.params.t_max,
+                                          device="cpu").tolist() for r in rows]  # host lists: one transfer below
         stopper = StableConfidentStopper(
             torch.tensor([r.params.stability_threshold for r in rows], device=device),
             torch.tensor([r.params.confidence_threshold for r in rows], device=device))
