@@ -248,3 +248,31 @@ def test_aborted_request_leaves_the_batch_mid_canvas(name, tmp_path):
     for _ in engine.stream():
         pass
     assert ra.finish_reason == "abort" and rb.output == expected
+
+
+def test_cli_visual_redraws_the_canvas_on_a_terminal():
+    """--visual on a terminal redraws committed text + the current canvas in place, then prints the final text;
+    piped, it prints the final text alone. Both equal the API's text."""
+    import pty
+
+    args = ["generate", "It is a truth", "--max-new-tokens", "12", "--seed", "2", "--visual"]
+    expected = dgemma.load().generate("It is a truth", max_new_tokens=12, seed=2).text
+    piped = _cli(*args)
+    assert piped.returncode == 0 and piped.stdout == expected + "\n", piped.stderr
+    master, slave = pty.openpty()
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
+    proc = subprocess.Popen([sys.executable, "-m", "dgemma", *args], stdout=slave, stderr=subprocess.DEVNULL, env=env)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 4096)
+        except OSError:  # the terminal closed
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=120) == 0
+    shown = b"".join(chunks).decode()
+    assert shown.count("\x1b[J") >= 2  # redrawn in place at least twice
+    assert shown.replace("\r\n", "\n").endswith(expected + "\n")

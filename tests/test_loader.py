@@ -147,10 +147,31 @@ def test_errors(ckpt, tmp_path, case, error, message):
         load_model(d)
 
 
-def test_vision_weights_are_ignored_and_images_refused(ckpt):
-    names = load_file(ckpt / "model.safetensors").keys()
-    assert any("vision_tower" in n for n in names)
-    load_model(ckpt)  # no error
+def test_vision_weights_are_ignored(ckpt):
+    """The checkpoint's vision tower is skipped: no vision parameter in the model, every text weight loaded."""
+    stored = load_file(ckpt / "model.safetensors")
+    assert any("vision_tower" in n for n in stored)
+    model = load_model(ckpt)
+    names = [n for n, _ in model.named_parameters()]
+    assert names and not any("vision" in n for n in names)
+    embed = next(v for k, v in stored.items() if k.endswith("embed_tokens.weight") and "vision" not in k)
+    assert torch.equal(model.embed_tokens.weight, embed)
+
+
+def test_image_tokens_are_refused(ckpt, tmp_path):
+    """An image token inside the vocabulary (the tiny config's default id lies outside it) is refused as such."""
+    import dgemma
+    from dgemma.sampling import SamplingParamsError
+
+    d = _copy(ckpt, tmp_path / "img")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["image_token_id"] = 7
+    (d / "config.json").write_text(json.dumps(cfg))
+    model = dgemma.load(d)
+    assert model.generate([5, 6], max_new_tokens=2).token_ids
+    with pytest.raises(SamplingParamsError, match="image inputs are not supported") as err:
+        model.generate([5, 7, 6], max_new_tokens=2)
+    assert err.value.param == "prompt"
 
 
 def test_cli_error_is_one_line_and_nonzero(tmp_path):
