@@ -188,3 +188,20 @@ def test_cli_info(ckpt):
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout.strip().splitlines()[-1])
     assert info["canvas_length"] == 5 and info["parameters"] > 0
+
+
+def test_bundled_model_first_run_is_clean():
+    """`dgemma generate` prints text and one stats line, no third-party warnings; the bundled checkpoint loads in
+    transformers with nothing missing and no warning (its vision tower lives in a second shard)."""
+    r = subprocess.run([sys.executable, "-m", "dgemma", "generate", "Once", "--max-new-tokens", "4", "--seed", "0"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip()
+    assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("[4 tokens"), r.stderr
+    code = ("import transformers\n"
+            "from dgemma.api import DEMO_MODEL\n"
+            "from transformers.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion as M\n"
+            "_, info = M.from_pretrained(DEMO_MODEL, output_loading_info=True)\n"
+            "assert not any(info.values()), info\n")
+    r = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "MISSING" not in r.stderr and "arn" not in r.stderr.replace("Loading weights", ""), r.stderr
