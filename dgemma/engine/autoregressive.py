@@ -4,39 +4,24 @@ another, one token per `step()`."""
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections.abc import Iterator
 
 import torch
 
 from dgemma.cache import KVCache
 from dgemma.engine.request import Event, Request
+from dgemma.engine.runner import Runner
 from dgemma.model import DiffusionGemma
-from dgemma.sampling import SamplingParams, make_generator, sample_next
-
-_ids = itertools.count()
+from dgemma.sampling import sample_next
 
 
-class AutoregressiveEngine:
+class AutoregressiveEngine(Runner):
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...]):
-        self.model = model
-        self.eos_ids = tuple(eos_ids)
-        self.waiting: list[Request] = []
+        super().__init__(model, eos_ids)
         self.current: tuple[Request, KVCache, torch.Tensor] | None = None  # request, cache, last hidden [1, H]
 
-    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-                    drafts: bool = False) -> Request:
-        eos = params.eos_token_ids if params.eos_token_ids is not None else self.eos_ids
-        req = Request(request_id or f"ar-{next(_ids)}", list(prompt), params, tuple(eos), drafts,
-                      make_generator(params.seed, self.model.device))
-        self.waiting.append(req)
-        return req
-
-    def abort(self, request_id: str) -> None:
-        for req in self.waiting + ([self.current[0]] if self.current else []):
-            if req.id == request_id and not req.finished:
-                req.finish("abort")
+    def held(self) -> list[Request]:
+        return self.waiting + ([self.current[0]] if self.current else [])
 
     def has_work(self) -> bool:
         return bool(self.waiting) or self.current is not None
@@ -44,16 +29,6 @@ class AutoregressiveEngine:
     @property
     def num_running(self) -> int:
         return int(self.current is not None)
-
-    def stream(self) -> Iterator[Event]:
-        while self.has_work():
-            yield from self.step()
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
-        reqs = [self.add_request(p, params) for p in prompts]
-        for _ in self.stream():
-            pass
-        return reqs
 
     @torch.inference_mode()
     def step(self) -> list[Event]:
@@ -75,14 +50,14 @@ class AutoregressiveEngine:
             events.append(Event(req.id, "commit", [token]))
             if req.budget <= 0:
                 req.finish("length", events)
-        if req.finished:
-            self.current = None
-        else:
-            self.current = (req, cache, self.model.encode(torch.tensor([[token]], device=self.model.device), cache)[:, -1])
+        self.current = None if req.finished else (req, cache, self._encode([token], cache))
         return events
 
     def _start(self, req: Request) -> tuple[Request, KVCache, torch.Tensor]:
         req.stats.t_start = time.perf_counter()
         cache = self.model.new_cache(1, len(req.prompt) + req.params.max_new_tokens + 1)
-        hidden = self.model.encode(torch.tensor([req.prompt], device=self.model.device), cache)
-        return req, cache, hidden[:, -1]
+        return req, cache, self._encode(req.prompt, cache)
+
+    def _encode(self, ids: list[int], cache: KVCache) -> torch.Tensor:
+        """Append ids to the cache; the last position's hidden state [1, H]."""
+        return self.model.encode(torch.tensor([ids], device=self.model.device), cache)[:, -1]

@@ -10,8 +10,6 @@ does not depend on the rest of the batch. transformers' draw-for-draw sampling i
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -19,11 +17,10 @@ import torch
 from dgemma.cache import KVCache
 from dgemma.engine.batch import Canvas, prefill
 from dgemma.engine.request import Event, Request
+from dgemma.engine.runner import Runner
 from dgemma.model import DiffusionGemma
-from dgemma.sampling import SamplingParams, make_generator, random_tokens
+from dgemma.sampling import random_tokens
 from dgemma.sampling.fused import fast_step
-
-_ids = itertools.count()
 
 
 @dataclass
@@ -49,34 +46,17 @@ def prefill_groups(rows: list[Request], waste: float = 0.25) -> list[list[Reques
     return groups
 
 
-class Engine:
+class Engine(Runner):
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], pad_id: int = 0, max_batch: int = 16):
-        self.model = model
-        self.eos_ids, self.pad_id = tuple(eos_ids), pad_id
+        super().__init__(model, eos_ids)
+        self.pad_id = pad_id
         self.max_batch = max_batch
         self.canvas_length = model.cfg.canvas_length
-        self.waiting: list[Request] = []
         self.batch: _Batch | None = None
 
     # ---- public API -------------------------------------------------------------------------------------
-    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-                    drafts: bool = False) -> Request:
-        eos = params.eos_token_ids if params.eos_token_ids is not None else self.eos_ids
-        req = Request(request_id or f"req-{next(_ids)}", list(prompt), params, tuple(eos), drafts,
-                      make_generator(params.seed, self.model.device))
-        self.waiting.append(req)
-        return req
-
-    def abort(self, request_id: str) -> None:
-        """Finish a request now (client gone, stop string seen); it leaves the batch at the next step."""
-        for req in self.waiting:
-            if req.id == request_id:
-                self.waiting.remove(req)
-                req.finish("abort")
-                return
-        for req in self.batch.rows if self.batch is not None else ():
-            if req.id == request_id and not req.finished:
-                req.finish("abort")
+    def held(self) -> list[Request]:
+        return self.waiting + ([] if self.batch is None else self.batch.rows)
 
     def has_work(self) -> bool:
         return bool(self.waiting) or self.batch is not None
@@ -93,16 +73,6 @@ class Engine:
         if self.batch is not None:
             self._denoise_step(events)
         return events
-
-    def stream(self) -> Iterator[Event]:
-        while self.has_work():
-            yield from self.step()
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
-        reqs = [self.add_request(p, params) for p in prompts]
-        for _ in self.stream():
-            pass
-        return reqs
 
     # ---- canvas boundaries ------------------------------------------------------------------------------
     def _boundary(self) -> None:
@@ -141,6 +111,7 @@ class Engine:
 
     def _admit(self) -> None:
         room = self.max_batch - (0 if self.batch is None else len(self.batch.rows))
+        self.waiting = [r for r in self.waiting if not r.finished]  # aborted while waiting
         rows, self.waiting = self.waiting[:room], self.waiting[room:]
         if not rows:
             return

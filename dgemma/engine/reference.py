@@ -10,15 +10,16 @@ import torch
 
 from dgemma.engine.batch import Canvas, prefill
 from dgemma.engine.request import Event, Request
+from dgemma.engine.runner import Runner
 from dgemma.errors import ConfigError
 from dgemma.model import DiffusionGemma
 from dgemma.sampling import SamplingParams, reference_step
 
 
-class ReferenceRunner:
+class ReferenceRunner(Runner):
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], pad_id: int = 0):
-        self.model = model
-        self.eos_ids, self.pad_id = tuple(eos_ids), pad_id
+        super().__init__(model, eos_ids)
+        self.pad_id = pad_id
         self.rows: list[Request] = []
         self.started = False
 
@@ -28,21 +29,12 @@ class ReferenceRunner:
             raise ConfigError("reference sampling runs a fixed batch: requests cannot join once it has started")
         if self.rows and params != self.rows[0].params:
             raise ConfigError("reference sampling uses one set of sampling parameters for the whole batch")
-        eos = params.eos_token_ids if params.eos_token_ids is not None else self.eos_ids
-        req = Request(request_id or f"ref-{len(self.rows)}", list(prompt), params, tuple(eos), drafts)
+        req = self.make_request(prompt, params, request_id, drafts, seeded=False)
         self.rows.append(req)
         return req
 
-    def abort(self, request_id: str) -> None:
-        for r in self.rows:
-            if r.id == request_id and not r.finished:
-                r.finish("abort")
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
-        reqs = [self.add_request(p, params) for p in prompts]
-        for _ in self.stream():
-            pass
-        return reqs
+    def held(self) -> list[Request]:
+        return self.rows
 
     @torch.inference_mode()
     def stream(self) -> Iterator[Event]:
