@@ -8,8 +8,8 @@ import dgemma
 import dgemma.sampling.fused as fused
 from dgemma.engine import AutoregressiveEngine, Engine, ReferenceRunner
 from dgemma.errors import ConfigError
+from dgemma.instruments import Recorder
 from dgemma.sampling import SamplingParams
-from harness import Recorder
 from reference import build_reference
 
 
