@@ -14,7 +14,8 @@ from dgemma.engine import AutoregressiveEngine, Engine, OutputStream, ReferenceR
 from dgemma.dtypes import native_bf16, parse_dtype
 from dgemma.errors import DgemmaError
 from dgemma.sampling import Limits, SamplingParams, SamplingParamsError
-from dgemma.tokenizer import Tokenizer, read_json
+from dgemma.jsonfile import read_json
+from dgemma.tokenizer import Tokenizer
 from dgemma.weights import load_model, resolve_checkpoint
 
 DEMO_MODEL = Path(__file__).parent / "assets" / "demo"
