@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from dgemma.engine.request import Event
-from dgemma.textstream import TextStream
-from dgemma.tokenizer import Tokenizer
+from dgemma.sampling import stop_holdback, truncate_at_stop_strings
+from dgemma.tokenizer import IncrementalDecoder, Tokenizer
 
 
 @dataclass
@@ -28,27 +28,29 @@ class StreamEvent:
 
 
 class OutputStream:
-    """One request's engine events in, StreamEvents out. When `stopped` turns True (a stop string was seen) the
-    caller aborts the engine request; later events are ignored."""
+    """One request's engine events in, StreamEvents out. Committed ids are detokenized incrementally; text that
+    may still become a stop string is held back. When `stopped` turns True (a stop string was seen) the caller
+    aborts the engine request; later events are ignored."""
 
     def __init__(self, tokenizer: Tokenizer | None, stops: tuple[str, ...] = ()):
-        self.tokenizer = tokenizer
-        self.text_stream = TextStream(tokenizer, stops) if tokenizer is not None else None
+        self.tokenizer, self.stops = tokenizer, stops
+        self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
         self.ids: list[int] = []
+        self.emitted = ""
+        self.stopped = False
         self.canvases = self.steps = 0
         self.finish_reason: str | None = None
 
     @property
-    def stopped(self) -> bool:
-        return self.text_stream is not None and self.text_stream.stopped
-
-    @property
     def text(self) -> str | None:
-        return None if self.text_stream is None else self.text_stream.text
+        return None if self.decoder is None else self.emitted
 
     def kept_ids(self) -> list[int]:
-        """The committed ids, cut after a stop string."""
-        return self.ids if self.text_stream is None else self.text_stream.kept_ids()
+        """The committed ids; after a stop string, the shortest prefix whose text covers what was emitted."""
+        if not self.stopped:
+            return self.ids
+        return next((self.ids[:n] for n in range(len(self.ids) + 1)
+                     if len(self.tokenizer.decode(self.ids[:n])) >= len(self.emitted)), self.ids)
 
     def feed(self, event: Event) -> list[StreamEvent]:
         if self.finish_reason is not None:
@@ -58,21 +60,28 @@ class OutputStream:
             text = self.tokenizer.decode(event.token_ids) if self.tokenizer is not None else ""
             return [StreamEvent("draft", text, event.token_ids, canvas=self.canvases, step=self.steps)]
         if event.kind == "commit":
-            return self._commit(event.token_ids)
+            self.canvases, self.steps = self.canvases + 1, 0
+            self.ids.extend(event.token_ids)
+            out = [StreamEvent("text", self._push(event.token_ids), event.token_ids)]
+            return out + [self._done("stop")] if self.stopped else out
         reason = event.finish_reason
-        out = []
-        if reason in ("stop", "length") and self.text_stream is not None:
-            tail = self.text_stream.push([], final=True)  # may complete a stop string held back until now
-            out = [StreamEvent("text", tail)] if tail else []
-            reason = "stop" if self.stopped else reason
-        return out + [self._done(reason)]
+        if reason not in ("stop", "length"):
+            return [self._done(reason)]
+        tail = self._push([], final=True)  # may complete a stop string held back until now
+        return ([StreamEvent("text", tail)] if tail else []) + [self._done("stop" if self.stopped else reason)]
 
-    def _commit(self, ids: list[int]) -> list[StreamEvent]:
-        self.canvases, self.steps = self.canvases + 1, 0
-        self.ids.extend(ids)
-        delta = self.text_stream.push(ids) if self.text_stream is not None else ""
-        out = [StreamEvent("text", delta, ids)]
-        return out + [self._done("stop")] if self.stopped else out
+    def _push(self, ids: list[int], final: bool = False) -> str:
+        """Newly committed ids -> the text now safe to show."""
+        if self.decoder is None or self.stopped:
+            return ""
+        self.decoder.push(ids, final=final)
+        full = self.decoder.text
+        if self.stops:
+            cut, self.stopped = truncate_at_stop_strings(full, self.stops)
+            full = cut if self.stopped or final else full[:len(full) - stop_holdback(full, self.stops)]
+        delta = full[len(self.emitted):]
+        self.emitted = full if len(full) > len(self.emitted) else self.emitted
+        return delta
 
     def _done(self, reason: str) -> StreamEvent:
         self.finish_reason = reason
