@@ -78,21 +78,23 @@ def test_fixed_steps_runs_every_engine_and_ends_with_json(ckpt, capsys):
     assert ar["settings"] == {"mode": "autoregressive", "eos": "ignored", "temperature": 0.0}
     ratios = rep["ratios"]
     assert "diffusion_vs_autoregressive_float32" not in ratios  # fixed steps are not what a user runs
-    assert ratios["fixed_steps_diffusion_vs_autoregressive_float32"] == pytest.approx(
-        d1["tokens_per_second"] / ar["tokens_per_second"])
-    assert ratios["dgemma_float32_vs_reference_float32"] == pytest.approx(
-        d1["tokens_per_second"] / runs[("reference", 1)]["tokens_per_second"])
-    assert ratios["batch2_vs_batch1_dgemma_float32"] == pytest.approx(
-        runs[("dgemma", 2)]["tokens_per_second"] / d1["tokens_per_second"])
+    assert ratios == pytest.approx({
+        "fixed_2_steps_diffusion_vs_autoregressive_float32": d1["tokens_per_second"] / ar["tokens_per_second"],
+        "fixed_2_steps_dgemma_float32_vs_reference_float32":
+            d1["tokens_per_second"] / runs[("reference", 1)]["tokens_per_second"],
+        "fixed_2_steps_batch2_vs_batch1_dgemma_float32":
+            runs[("dgemma", 2)]["tokens_per_second"] / d1["tokens_per_second"]})
 
 
 def test_default_runs_at_the_checkpoints_adaptive_settings(adaptive_ckpt, capsys):
     _, rep = _bench(capsys, "--model", str(adaptive_ckpt), "--engines", "dgemma,autoregressive,reference",
-                    "--batch", "1")
-    assert rep["settings"]["steps"] == "checkpoint defaults (adaptive)"
-    runs = {r["engine"]: r for r in rep["runs"]}
+                    "--batch", "1", "--steps", "auto,2")
+    assert rep["settings"]["steps"] == "auto,2"
+    runs = {(r["engine"], r["steps"]): r for r in rep["runs"]}
+    assert set(runs) == {("dgemma", None), ("dgemma", 2), ("reference", None), ("reference", 2),
+                         ("autoregressive", None)}
     for engine in ("dgemma", "reference"):
-        r = runs[engine]
+        r = runs[(engine, None)]
         assert "error" not in r, r.get("error")
         assert r["steps"] is None
         s = r["settings"]
@@ -100,22 +102,32 @@ def test_default_runs_at_the_checkpoints_adaptive_settings(adaptive_ckpt, capsys
         assert (s["max_denoising_steps"], s["confidence_threshold"], s["entropy_bound"], s["t_min"], s["t_max"]) \
             == (3, 0.5, 0.7, 0.2, 0.3)  # from generation_config.json, nothing forced
         assert len(r["steps_per_canvas"][0]) == 2 and all(1 <= n <= 3 for n in r["steps_per_canvas"][0])
-    assert runs["reference"]["settings"]["sampling"] == "transformers"
-    assert rep["ratios"]["diffusion_vs_autoregressive_float32"] == pytest.approx(
-        runs["dgemma"]["tokens_per_second"] / runs["autoregressive"]["tokens_per_second"])
+        assert runs[(engine, 2)]["steps_per_canvas"] == [[2, 2]]
+    assert runs[("reference", None)]["settings"]["sampling"] == "transformers"
+    tps = {k: r["tokens_per_second"] for k, r in runs.items()}
+    assert rep["ratios"] == pytest.approx({
+        "diffusion_vs_autoregressive_float32": tps["dgemma", None] / tps["autoregressive", None],
+        "dgemma_float32_vs_reference_float32": tps["dgemma", None] / tps["reference", None],
+        "fixed_2_steps_diffusion_vs_autoregressive_float32": tps["dgemma", 2] / tps["autoregressive", None],
+        "fixed_2_steps_dgemma_float32_vs_reference_float32": tps["dgemma", 2] / tps["reference", 2]})
 
 
 def test_steps_are_not_forced_by_default():
+    """No --steps: every diffusion job runs the checkpoint's defaults; `auto,4` adds fixed-step jobs beside them."""
     args = _args()
-    assert args.steps is None and args.dtype == "float32,bfloat16"
+    assert args.steps == "auto" and args.dtype == "float32,bfloat16"
     jobs = plan(args, "m")
     assert {j.steps for j in jobs} == {None}
     assert all("max_denoising_steps" not in j.overrides() for j in jobs)
     assert [(j.engine, j.batch) for j in jobs if j.dtype == "float32"] == [
         ("dgemma", 1), ("dgemma", 4), ("reference", 1), ("autoregressive", 1)]
+    both = plan(_args("--steps", "auto,4", "--batch", "1", "--dtype", "float32"), "m")
+    assert [(j.engine, j.steps) for j in both] == [("dgemma", None), ("dgemma", 4), ("reference", None),
+                                                   ("reference", 4), ("autoregressive", None)]
+    assert both[1].overrides()["max_denoising_steps"] == 4
 
 
-@pytest.mark.parametrize("argv", [("--dtype", "float16"), ("--engines", "dgemma,vllm"), ("--steps", "0"),
+@pytest.mark.parametrize("argv", [("--dtype", "float16"), ("--engines", "dgemma,vllm"), ("--steps", "0"), ("--steps", "4,x"),
                                   ("--batch", "0"), ("--batch", "one")])
 def test_plan_refuses_bad_arguments(argv):
     with pytest.raises(DgemmaError):
@@ -132,8 +144,11 @@ def test_ratios_come_from_runs():
     assert report.compute_ratios(at_defaults) == pytest.approx({
         "diffusion_vs_autoregressive_float32": 50 / 80, "dgemma_float32_vs_reference_float32": 2.0,
         "batch4_vs_batch1_dgemma_float32": 120 / 50, "dgemma_bfloat16_vs_reference_float32": 9 / 25})
-    fixed = [run("dgemma", 200.0, steps=4), run("autoregressive", 80.0)]
-    assert report.compute_ratios(fixed) == {"fixed_steps_diffusion_vs_autoregressive_float32": 2.5}
+    fixed = [run("dgemma", 200.0, steps=4), run("autoregressive", 80.0), run("reference", 20.0),
+             run("reference", 40.0, steps=4), run("dgemma", 100.0, batch=2)]
+    assert report.compute_ratios(fixed) == {"fixed_4_steps_diffusion_vs_autoregressive_float32": 2.5,
+                                            "fixed_4_steps_dgemma_float32_vs_reference_float32": 5.0}
+    # like with like: no reference at other steps, no batch ratio without a batch-1 run at the same steps
 
 
 def test_flop_model_by_hand():

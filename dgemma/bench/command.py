@@ -3,7 +3,7 @@
 Every engine gets the same checkpoint, prompts and settings. By default each diffusion engine runs at the
 checkpoint's own adaptive defaults (its generation_config.json: step budget, early exit, entropy bound), as a
 user would; `--steps N` instead forces exactly N steps per canvas (fixed work, for comparing against the
-reference and the FLOP bound). EOS is ignored unless `--respect-eos`, so every engine produces
+reference and the FLOP bound), and `--steps auto,4` runs both, side by side. EOS is ignored unless `--respect-eos`, so every engine produces
 `--max-new-tokens` tokens. A table goes to stdout, then one JSON line; progress goes to stderr.
 """
 
@@ -23,9 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device for every engine, e.g. cpu or cuda")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt length in tokens (random ids, seeded)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate per prompt")
-    p.add_argument("--steps", type=int, default=None,
-                   help="exactly this many denoising steps per canvas (default: the checkpoint's adaptive "
-                        "defaults, as a user runs it)")
+    p.add_argument("--steps", default="auto",
+                   help="denoising steps per canvas, comma-separated: auto = the checkpoint's adaptive defaults, "
+                        "as a user runs it (default); N = exactly N steps, fixed work")
     p.add_argument("--batch", default="1,4", help="dgemma batch sizes (concurrent prompts), comma-separated")
     p.add_argument("--dtype", default=",".join(NAMES), help=f"dgemma and autoregressive dtypes ({', '.join(NAMES)})")
     p.add_argument("--reference-dtype", default="float32", help="reference dtypes (its default is float32)")
@@ -55,9 +55,8 @@ def run(args: argparse.Namespace) -> int:
     jobs = plan(args, str(directory))
     if args.threads:
         torch.set_num_threads(args.threads)
-    steps = f"exactly {args.steps} steps per canvas" if args.steps else "the checkpoint's adaptive defaults"
     log(f"dgemma bench: {len(jobs)} configurations on {directory} ({args.device}, {torch.get_num_threads()} "
-        f"threads); diffusion at {steps}")
+        f"threads); diffusion steps per canvas: {args.steps}")
     machine = flops.measure_machine(args.device, args.matmul_size, _csv(args.dtype) + _csv(args.reference_dtype))
     runs = []
     for i, job in enumerate(jobs, 1):
@@ -83,16 +82,26 @@ def _model_dir(model: str | None) -> Path:
 
 
 def plan(args: argparse.Namespace, model: str) -> list[Job]:
-    """One Job per (engine, dtype, batch); autoregressive decoding runs at batch 1 only."""
+    """One Job per (engine, dtype, batch, steps); autoregressive decoding runs at batch 1 and has no steps."""
     engines, dtypes, ref_dtypes = _csv(args.engines), _csv(args.dtype), _csv(args.reference_dtype)
     batches, ref_batches = _csv(args.batch, int), _csv(args.reference_batch, int)
+    steps = parse_steps(args.steps)
     _check(args, engines, dtypes + ref_dtypes, batches + ref_batches)
     common = dict(model=model, device=args.device, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
-                  steps=args.steps, repeats=args.repeats, warmup=args.warmup, seed=args.seed,
-                  sampling=args.sampling, ignore_eos=not args.respect_eos, threads=args.threads)
-    shapes = {"dgemma": [(d, b) for d in dtypes for b in batches], "autoregressive": [(d, 1) for d in dtypes],
-              "reference": [(d, b) for d in ref_dtypes for b in ref_batches]}
-    return [Job(e, d, b, **common) for e in ENGINES if e in engines for d, b in shapes[e]]
+                  repeats=args.repeats, warmup=args.warmup, seed=args.seed, sampling=args.sampling,
+                  ignore_eos=not args.respect_eos, threads=args.threads)
+    shapes = {"dgemma": [(d, b, n) for d in dtypes for b in batches for n in steps],
+              "autoregressive": [(d, 1, None) for d in dtypes],
+              "reference": [(d, b, n) for d in ref_dtypes for b in ref_batches for n in steps]}
+    return [Job(e, d, b, steps=n, **common) for e in ENGINES if e in engines for d, b, n in shapes[e]]
+
+
+def parse_steps(text: str) -> list[int | None]:
+    """'auto,4' -> [None, 4]: None runs the checkpoint's adaptive defaults, N exactly N steps per canvas."""
+    out = [None if x == "auto" else _csv(x, int)[0] for x in _csv(text)]
+    if not out or any(n is not None and n < 1 for n in out):
+        raise DgemmaError(f"--steps {text!r}: expected auto or whole numbers of at least 1, comma-separated")
+    return out
 
 
 def _check(args: argparse.Namespace, engines: list[str], dtypes: list[str], batches: list[int]) -> None:
@@ -100,8 +109,8 @@ def _check(args: argparse.Namespace, engines: list[str], dtypes: list[str], batc
         raise DgemmaError(f"unknown engine(s) {sorted(bad)}; choose from {', '.join(ENGINES)}")
     if bad := set(dtypes) - set(NAMES):
         raise DgemmaError(f"unknown dtype(s) {sorted(bad)}; choose from {', '.join(NAMES)}")
-    for name in ("prompt_len", "max_new_tokens", "steps", "repeats"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
+    for name in ("prompt_len", "max_new_tokens", "repeats"):
+        if getattr(args, name) < 1:
             raise DgemmaError(f"--{name.replace('_', '-')} must be at least 1")
     if min(batches, default=1) < 1:
         raise DgemmaError("batch sizes must be at least 1")

@@ -19,10 +19,10 @@ def build_report(options: dict[str, Any], directory: Path, cfg: ModelConfig, mac
              "layers": t.num_hidden_layers, "experts": t.num_experts, "top_k_experts": t.top_k_experts,
              "canvas_length": cfg.canvas_length,
              "checkpoint_bytes": sum(f.stat().st_size for f in directory.glob("*.safetensors"))}
-    steps = options["steps"]
     settings = {"prompt": f"{options['prompt_len']} random token ids (seeded)",
                 "prompt_len": options["prompt_len"], "max_new_tokens": options["max_new_tokens"],
-                "steps": "checkpoint defaults (adaptive)" if steps is None else f"exactly {steps} per canvas",
+                "steps": options["steps"], "steps_meaning": "auto: the checkpoint's adaptive defaults; N: exactly N "
+                                                            "steps per canvas",
                 "ignore_eos": not options["respect_eos"], "sampling": options["sampling"],
                 "repeats": options["repeats"], "warmup": options["warmup"], "seed": options["seed"],
                 "in_process": options["in_process"], "device": options["device"],
@@ -32,27 +32,27 @@ def build_report(options: dict[str, Any], directory: Path, cfg: ModelConfig, mac
 
 
 def compute_ratios(runs: list[dict]) -> dict[str, float]:
-    """tokens/s ratios. At batch 1: dgemma over autoregressive decoding in the same dtype
-    (`diffusion_vs_autoregressive_<dtype>` when dgemma ran at the checkpoint's defaults, else
-    `fixed_steps_diffusion_vs_autoregressive_<dtype>`) and over the reference; and dgemma's aggregate
-    tokens/s at batch B over batch 1."""
+    """tokens/s ratios of dgemma runs: at batch 1 over autoregressive decoding in the same dtype
+    (`diffusion_vs_autoregressive_<dtype>`) and over the reference at the same steps; at batch B over batch 1.
+    Keys of runs at fixed steps start `fixed_<N>_steps_`: only unprefixed keys compare what a user runs."""
     ok = [r for r in runs if r.get("tokens_per_second")]
     out = {}
     for a in (r for r in ok if r["engine"] == "dgemma"):
+        tag, dtype = "" if a["steps"] is None else f"fixed_{a['steps']}_steps_", a["dtype"]
         if a["batch"] > 1:
-            if (one := _find(ok, "dgemma", a["dtype"])) is not None:
-                out[f"batch{a['batch']}_vs_batch1_dgemma_{a['dtype']}"] = _speedup(a, one)
+            if (one := _find(ok, "dgemma", dtype, a["steps"])) is not None:
+                out[f"{tag}batch{a['batch']}_vs_batch1_dgemma_{dtype}"] = _speedup(a, one)
             continue
-        if (ar := _find(ok, "autoregressive", a["dtype"])) is not None:
-            prefix = "" if a["steps"] is None else "fixed_steps_"
-            out[f"{prefix}diffusion_vs_autoregressive_{a['dtype']}"] = _speedup(a, ar)
-        for ref in (r for r in ok if r["engine"] == "reference" and r["batch"] == 1):
-            out[f"dgemma_{a['dtype']}_vs_reference_{ref['dtype']}"] = _speedup(a, ref)
+        if (ar := _find(ok, "autoregressive", dtype, None)) is not None:
+            out[f"{tag}diffusion_vs_autoregressive_{dtype}"] = _speedup(a, ar)
+        for ref in (r for r in ok if r["engine"] == "reference" and r["batch"] == 1 and r["steps"] == a["steps"]):
+            out[f"{tag}dgemma_{dtype}_vs_reference_{ref['dtype']}"] = _speedup(a, ref)
     return out
 
 
-def _find(runs: list[dict], engine: str, dtype: str, batch: int = 1) -> dict | None:
-    return next((r for r in runs if (r["engine"], r["dtype"], r["batch"]) == (engine, dtype, batch)), None)
+def _find(runs: list[dict], engine: str, dtype: str, steps: int | None) -> dict | None:
+    key = (engine, dtype, 1, steps)
+    return next((r for r in runs if (r["engine"], r["dtype"], r["batch"], r["steps"]) == key), None)
 
 
 def _speedup(a: dict, b: dict) -> float:
@@ -81,7 +81,7 @@ def _preamble(report: dict[str, Any]) -> list[str]:
     peaks = ", ".join(f"{k} {v['gflops']:.1f} GFLOP/s" for k, v in mc["matmul"].items())
     return [f"model {m['path']}: vocab {m['vocab_size']}, hidden {m['hidden_size']}, {m['layers']} layers, "
             f"canvas {m['canvas_length']}",
-            f"prompt {s['prompt']}, {s['max_new_tokens']} new tokens, diffusion steps: {s['steps']}, "
+            f"prompt {s['prompt']}, {s['max_new_tokens']} new tokens, diffusion steps per canvas: {s['steps']}, "
             f"EOS {'ignored' if s['ignore_eos'] else 'respected'}, {s['statistic']} ({s['repeats']})",
             f"machine: {mc['cpu']} ({mc['cpu_capability']}, native bf16 {mc['native_bf16']}), {mc['cores']} cores, "
             f"{mc['threads']} threads, load average {mc['load_average_start']} at start, "
