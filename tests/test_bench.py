@@ -127,8 +127,8 @@ def test_steps_are_not_forced_by_default():
     assert both[1].overrides()["max_denoising_steps"] == 4
 
 
-@pytest.mark.parametrize("argv", [("--dtype", "float16"), ("--engines", "dgemma,vllm"), ("--steps", "0"), ("--steps", "4,x"),
-                                  ("--batch", "0"), ("--batch", "one")])
+@pytest.mark.parametrize("argv", [("--dtype", "float16"), ("--engines", "dgemma,vllm"), ("--steps", "0"),
+                                  ("--steps", "4,x"), ("--batch", "0"), ("--batch", "one")])
 def test_plan_refuses_bad_arguments(argv):
     with pytest.raises(DgemmaError):
         plan(_args(*argv), "m")

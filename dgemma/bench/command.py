@@ -1,10 +1,11 @@
-"""`dgemma bench` arguments, the plan (one Job per engine, dtype and batch) and the run that prints the report.
+"""`dgemma bench` arguments, the plan (one Job per engine, dtype, batch and steps) and the run that prints the report.
 
 Every engine gets the same checkpoint, prompts and settings. By default each diffusion engine runs at the
 checkpoint's own adaptive defaults (its generation_config.json: step budget, early exit, entropy bound), as a
 user would; `--steps N` instead forces exactly N steps per canvas (fixed work, for comparing against the
-reference and the FLOP bound), and `--steps auto,4` runs both, side by side. EOS is ignored unless `--respect-eos`, so every engine produces
-`--max-new-tokens` tokens. A table goes to stdout, then one JSON line; progress goes to stderr.
+reference and the FLOP bound), and `--steps auto,4` runs both side by side. EOS is ignored unless
+`--respect-eos`, so every engine produces `--max-new-tokens` tokens. A table goes to stdout, then one JSON line;
+progress goes to stderr.
 """
 
 from __future__ import annotations
