@@ -54,7 +54,7 @@ def _bench(capsys, *argv: str) -> tuple[list[str], dict]:
 
 
 def test_fixed_steps_runs_every_engine_and_ends_with_json(ckpt, capsys):
-    lines, rep = _bench(capsys, "--model", str(ckpt), "--steps", "2", "--batch", "1,2")
+    lines, rep = _bench(capsys, "--model", str(ckpt), "--steps", "2", "--batch", "1,2", "--rounds", "2")
     assert any("tok/s" in line and "x bound" in line for line in lines)
     assert set(rep) == {"schema", "model", "settings", "machine", "runs", "ratios"}  # measurements only
     assert not any("target" in line for line in lines)
@@ -64,6 +64,7 @@ def test_fixed_steps_runs_every_engine_and_ends_with_json(ckpt, capsys):
     for (engine, batch), r in runs.items():
         assert "error" not in r, r.get("error")
         assert r["tokens"] == 7 * batch and r["row_tokens"] == [7] * batch  # EOS ignored: fixed length
+        assert r["rounds"] == 2 and len(r["seconds_all"]) == 2  # 1 repeat x 2 rounds, pooled
         assert r["tokens_per_second"] == pytest.approx(r["tokens"] / r["seconds"])
         assert r["flop_bound_seconds_per_step"] > 0 and r["bound_ratio"] > 0
         assert r["peak_rss_bytes"] > 0 and r["weights_bytes"] > 0
@@ -187,7 +188,21 @@ def test_isolated_worker_returns_its_json(ckpt):
               repeats=1, warmup=0, seed=0, sampling="fast", ignore_eos=True, threads=1)
     out = runners.run_isolated(job, timeout=300)
     assert "error" not in out, out.get("error")
-    assert out["tokens"] == 4 and out["peak_is_generation_only"] in (True, False)
+    assert [s["tokens"] for s in out["samples"]] == [[4]] and out["peak_rss_bytes"] > 0
+    assert runners.pool([out])["tokens"] == 4
+
+
+def test_pool_merges_rounds():
+    def out(seconds, peak):
+        sample = {"seconds": seconds, "tokens": [8], "passes": [4], "steps": 4, "steps_per_canvas": [[4]],
+                  "ttft_seconds": seconds / 2}
+        return {"engine": "dgemma", "samples": [sample], "peak_rss_bytes": peak, "weights_bytes": 10}
+
+    run = runners.pool([out(1.0, 100), out(3.0, 300), out(2.0, 200)])
+    assert run["seconds"] == 2.0 and run["seconds_all"] == [1.0, 3.0, 2.0] and run["tokens_per_second"] == 4.0
+    assert run["peak_rss_bytes"] == 300 and run["extra_memory_bytes"] == 290 and run["rounds"] == 3
+    assert "samples" not in run
+    assert runners.pool([out(1.0, 100), {"engine": "dgemma", "error": "boom"}]) == {"engine": "dgemma", "error": "boom"}
 
 
 def test_importing_the_command_does_not_import_torch():

@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", default=",".join(ENGINES), help=f"subset of {','.join(ENGINES)}")
     p.add_argument("--sampling", choices=["fast", "reference"], default="fast", help="dgemma sampling path")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (medians reported)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the whole plan this many times, interleaved, pooling the repeats (on a shared machine "
+                        "the load drifts: rounds spread it over every configuration)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs (1 step per canvas) first")
     p.add_argument("--seed", type=int, default=0, help="seed for prompts and sampling")
     p.add_argument("--respect-eos", action="store_true", help="stop at EOS (default: ignore it, fixed length)")
@@ -59,16 +62,24 @@ def run(args: argparse.Namespace) -> int:
     log(f"dgemma bench: {len(jobs)} configurations on {directory} ({args.device}, {torch.get_num_threads()} "
         f"threads); diffusion steps per canvas: {args.steps}")
     machine = flops.measure_machine(args.device, args.matmul_size, _csv(args.dtype) + _csv(args.reference_dtype))
-    runs = []
-    for i, job in enumerate(jobs, 1):
-        log(f"[{i}/{len(jobs)}] {job.label}")
-        out = runners.run_job(job) if args.in_process else runners.run_isolated(job, args.timeout)
-        runs.append(flops.add_bounds(out, cfg, machine))
+    runs = [flops.add_bounds(runners.pool(outs), cfg, machine) for outs in _measure_rounds(args, jobs)]
     machine["load_average_end"] = flops.load_average()
     result = report.build_report(vars(args), directory, cfg, machine, runs)
     print(report.format_table(result))
     print(json.dumps(result))
     return 0
+
+
+def _measure_rounds(args: argparse.Namespace, jobs: list[Job]) -> list[list[dict]]:
+    """Every job once per round, in plan order; per job, its results from every round."""
+    from dgemma.bench import runners
+
+    outs: list[list[dict]] = [[] for _ in jobs]
+    for r in range(args.rounds):
+        for i, job in enumerate(jobs):
+            log(f"[round {r + 1}/{args.rounds}, {i + 1}/{len(jobs)}] {job.label}")
+            outs[i].append(runners.run_job(job) if args.in_process else runners.run_isolated(job, args.timeout))
+    return outs
 
 
 def _model_dir(model: str | None) -> Path:
@@ -110,7 +121,7 @@ def _check(args: argparse.Namespace, engines: list[str], dtypes: list[str], batc
         raise DgemmaError(f"unknown engine(s) {sorted(bad)}; choose from {', '.join(ENGINES)}")
     if bad := set(dtypes) - set(NAMES):
         raise DgemmaError(f"unknown dtype(s) {sorted(bad)}; choose from {', '.join(NAMES)}")
-    for name in ("prompt_len", "max_new_tokens", "repeats"):
+    for name in ("prompt_len", "max_new_tokens", "repeats", "rounds"):
         if getattr(args, name) < 1:
             raise DgemmaError(f"--{name.replace('_', '-')} must be at least 1")
     if min(batches, default=1) < 1:

@@ -20,13 +20,10 @@ def build_report(options: dict[str, Any], directory: Path, cfg: ModelConfig, mac
              "canvas_length": cfg.canvas_length,
              "checkpoint_bytes": sum(f.stat().st_size for f in directory.glob("*.safetensors"))}
     settings = {"prompt": f"{options['prompt_len']} random token ids (seeded)",
-                "prompt_len": options["prompt_len"], "max_new_tokens": options["max_new_tokens"],
-                "steps": options["steps"], "steps_meaning": "auto: the checkpoint's adaptive defaults; N: exactly N "
-                                                            "steps per canvas",
-                "ignore_eos": not options["respect_eos"], "sampling": options["sampling"],
-                "repeats": options["repeats"], "warmup": options["warmup"], "seed": options["seed"],
-                "in_process": options["in_process"], "device": options["device"],
-                "statistic": "median seconds over repeats"}
+                "steps_meaning": "auto: the checkpoint's adaptive defaults; N: exactly N steps per canvas",
+                "ignore_eos": not options["respect_eos"], "statistic": "median seconds over repeats x rounds",
+                **{k: options[k] for k in ("prompt_len", "max_new_tokens", "steps", "sampling", "repeats", "rounds",
+                                           "warmup", "seed", "in_process", "device", "threads")}}
     return {"schema": SCHEMA, "model": model, "settings": settings, "machine": machine, "runs": runs,
             "ratios": compute_ratios(runs)}
 
@@ -82,7 +79,7 @@ def _preamble(report: dict[str, Any]) -> list[str]:
     return [f"model {m['path']}: vocab {m['vocab_size']}, hidden {m['hidden_size']}, {m['layers']} layers, "
             f"canvas {m['canvas_length']}",
             f"prompt {s['prompt']}, {s['max_new_tokens']} new tokens, diffusion steps per canvas: {s['steps']}, "
-            f"EOS {'ignored' if s['ignore_eos'] else 'respected'}, {s['statistic']} ({s['repeats']})",
+            f"EOS {'ignored' if s['ignore_eos'] else 'respected'}, {s['statistic']} ({s['repeats']} x {s['rounds']})",
             f"machine: {mc['cpu']} ({mc['cpu_capability']}, native bf16 {mc['native_bf16']}), {mc['cores']} cores, "
             f"{mc['threads']} threads, load average {mc['load_average_start']} at start, "
             f"{mc.get('load_average_end')} at end; matmul peak {peaks}", ""]

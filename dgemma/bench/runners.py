@@ -83,8 +83,20 @@ def _measure(job: Job) -> dict[str, Any]:
               "extra_memory_bytes": peak - weights if peak else None}
     if job.device.startswith("cuda"):
         memory["device_peak_bytes"] = torch.cuda.max_memory_allocated()
-    return {**asdict(job), "settings": settings, **summarise(samples), **memory, "load_seconds": load_seconds,
+    return {**asdict(job), "settings": settings, "samples": samples, **memory, "load_seconds": load_seconds,
             "threads": torch.get_num_threads()}
+
+
+def pool(outs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's results from several rounds -> one run: samples pooled, then summarised; the largest
+    peak memory. The first error wins."""
+    if failed := [o for o in outs if o.get("error")]:
+        return failed[0]
+    samples = [s for o in outs for s in o["samples"]]
+    peak = max(o["peak_rss_bytes"] or 0 for o in outs) or None
+    last = {k: v for k, v in outs[-1].items() if k != "samples"}
+    return {**last, **summarise(samples), "rounds": len(outs), "peak_rss_bytes": peak,
+            "extra_memory_bytes": peak - last["weights_bytes"] if peak else None}
 
 
 def summarise(samples: list[dict[str, Any]]) -> dict[str, Any]:
