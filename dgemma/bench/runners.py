@@ -146,7 +146,7 @@ def describe_settings(job: Job, params) -> dict[str, Any]:
 
 def checkpoint_params(job: Job):
     """The checkpoint's generation defaults with this job's overrides: what `generate` will run with."""
-    from dgemma.sampling.params import SamplingParams
+    from dgemma.sampling import SamplingParams
     from dgemma.tokenizer import read_json
 
     gen = read_json(Path(job.model) / "generation_config.json")
