@@ -36,15 +36,17 @@ class Job:
         return self.engine != "autoregressive"
 
     def overrides(self) -> dict:
-        """What this job changes in the checkpoint's generation defaults (the `generate` options)."""
+        """What this job changes in the checkpoint's generation defaults (SamplingParams fields)."""
         out: dict = {"seed": self.seed, "max_new_tokens": self.max_new_tokens}
         if self.ignore_eos:
             out["eos_token_ids"] = ()
-        if not self.diffusion:
-            out["mode"] = "autoregressive"
-        elif self.steps is not None:
+        if self.diffusion and self.steps is not None:
             out.update(max_denoising_steps=self.steps, confidence_threshold=FIXED_STEPS_THRESHOLD)
         return out
+
+    def decoding(self) -> dict:
+        """The `generate` switches: mode, and the sampling path of dgemma's diffusion."""
+        return {"mode": "autoregressive"} if not self.diffusion else {"sampling": self.sampling}
 
 
 def log(msg: str) -> None:

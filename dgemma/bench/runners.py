@@ -158,8 +158,8 @@ def _dgemma_runner(job: Job):
     import dgemma
 
     model = dgemma.load(job.model, dtype=job.dtype, device=job.device)
-    prompts = _prompts_for(job, model.model.cfg)
-    options = job.overrides() | ({"sampling": job.sampling} if job.diffusion else {})
+    prompts = _prompts_for(job, model.module.cfg)
+    options = job.overrides() | job.decoding()
     warm = {"max_denoising_steps": 1} if job.diffusion else {"max_new_tokens": min(job.max_new_tokens, 4)}
 
     def once(warmup: bool) -> dict[str, Any]:
@@ -173,7 +173,7 @@ def _dgemma_runner(job: Job):
                 "steps": max(passes), "steps_per_canvas": [list(r.stats.get("steps_per_canvas", [])) for r in results],
                 "ttft_seconds": max(ttfts) if None not in ttfts else None}
 
-    return once, tensor_bytes(model.model), describe_settings(job, model.defaults.replace(**options))
+    return once, tensor_bytes(model.module), describe_settings(job, model.defaults.replace(**job.overrides()))
 
 
 class _CanvasClock:
