@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from build_bench_checkpoint import build  # noqa: E402
 
 from dgemma import bench  # noqa: E402
+from dgemma.bench.report import SCHEMA  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure (run this on a GPU machine)", file=sys.stderr)
-        print(json.dumps({"schema": bench.SCHEMA, "skipped": "no CUDA device", "torch": torch.__version__}))
+        print(json.dumps({"schema": SCHEMA, "skipped": "no CUDA device", "torch": torch.__version__}))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
