@@ -209,3 +209,21 @@ def test_importing_the_command_does_not_import_torch():
     code = "import sys, dgemma.bench; print('torch' in sys.modules, callable(dgemma.bench.run))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "True"]
+
+
+def test_gpu_script_runs_on_small_shapes():
+    """The prepared accelerator run, on the CPU with small shapes: every measurement it promises is there."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
+    r = subprocess.run([sys.executable, str(script), "--device", "cpu", "--tiny", "--dtype", "float32", "--shapes",
+                        "real", "--batch", "1", "--steps", "4", "--max-new-tokens", "64", "--ar-tokens", "3"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    diffusion, ar = report["runs"]
+    assert (diffusion["mode"], ar["mode"]) == ("diffusion", "autoregressive")
+    assert diffusion["tokens"] == 64 and ar["tokens"] == 3
+    assert diffusion["seconds_per_step"] > 0 and diffusion["host_reads_per_step"] >= 1
