@@ -7,15 +7,13 @@ so the layer launches the same few kernels whatever the routing.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
 from dgemma.config import TextConfig
 from dgemma.model.layers import Linear, RMSNorm, gelu_tanh, gemm_dtype
-
-# Largest float32 slice (bytes) of a bf16 expert stack converted at once on CPUs without native bf16.
-CONVERT_BYTES = 256 << 20
-
 
 class Router(nn.Module):
     def __init__(self, cfg: TextConfig):
@@ -60,23 +58,30 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tens
     return _padded_mm(x, w, ends)
 
 
+_local = threading.local()
+
+
+def _converted(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """w in `dtype`, written into a per-thread workspace that every layer reuses: a fresh allocation of a whole
+    stack costs several times the conversion in page faults (docs/kernels.md). Autograd gets its own copy."""
+    if torch.is_grad_enabled() and w.requires_grad:
+        return w.to(dtype)
+    ws = getattr(_local, "workspace", None)
+    if ws is None or ws.numel() < w.numel() or ws.dtype != dtype or ws.device != w.device:
+        ws = _local.workspace = torch.empty(w.numel(), dtype=dtype, device=w.device)
+    return ws[:w.numel()].view(w.shape).copy_(w)
+
+
 def expert_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """x [R, K] sorted by expert (expert e owns rows ends[e-1]..ends[e]) times w[e].T, w [E, N, K] -> [R, N].
 
-    The one place that touches stacked expert weights (a quantized weight type replaces this). bf16 weights
-    on a CPU without native bf16 are converted to float32 a K-slice at a time (at most CONVERT_BYTES), so no
-    float32 copy of the whole stack exists; the slices' products are summed.
+    The one place that touches stacked expert weights (a quantized weight type replaces this). bf16 weights on a
+    CPU without native bf16 run a float32 GEMM on a converted copy (exact inputs, float32 accumulation).
     """
     dtype = gemm_dtype(w)
-    if dtype == w.dtype:
-        return _grouped(x.to(dtype), w, ends).to(x.dtype)
-    e, n, k = w.shape
-    step = max(8, CONVERT_BYTES // (4 * e * n) // 8 * 8)
-    out = None
-    for lo in range(0, k, step):
-        part = _grouped(x[:, lo:lo + step].to(dtype), w[:, :, lo:lo + step].to(dtype), ends)
-        out = part if out is None else out.add_(part)
-    return out.to(x.dtype)
+    if dtype != w.dtype:
+        w = _converted(w, dtype)
+    return _grouped(x.to(dtype), w, ends).to(x.dtype)
 
 
 class Experts(nn.Module):
