@@ -1,5 +1,7 @@
 """Grouped-GEMM experts against the per-expert loop they replaced, and without host reads."""
 
+import threading
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -65,10 +67,13 @@ def test_grouped_matches_loop_bf16_and_converted(monkeypatch):
     x = torch.randn(20, 32).bfloat16()
     want = loop_oracle(experts, x, weights, ids).float()
     assert (experts(x, weights, ids).float() - want).abs().max() <= 2e-2
-    monkeypatch.setattr(moe, "gemm_dtype", lambda w: torch.float32)  # force the converted path, workspace reused
+    monkeypatch.setattr(moe, "gemm_dtype", lambda w: torch.float32)  # force the converted path
+    monkeypatch.setattr(moe, "_local", threading.local())
+    buffers = set()
     for _ in range(2):
         assert (experts(x, weights, ids).float() - want).abs().max() <= 2e-2
-    assert moe._local.workspace.numel() == experts.gate_up_proj.numel()
+        buffers.add(moe._local.workspace.data_ptr())
+    assert len(buffers) == 1 and moe._local.workspace.numel() == experts.gate_up_proj.numel()  # one, reused
 
 
 @torch.no_grad()
