@@ -2,9 +2,8 @@
 
 Slots are absolute sequence indices shared by the batch; `valid` marks real (non-padding) tokens, and the host
 knows that every slot from `padded_until` on is valid (so attention can skip the mask without reading `valid`).
-Slots past
-`length` are scratch space: the decoder puts the canvas keys there so that attention reads one contiguous
-slice, and the next encoder commit overwrites them.
+Slots past `length` are scratch space: the decoder puts the canvas keys there so that attention reads one
+contiguous slice, and the next encoder commit overwrites them.
 """
 
 from __future__ import annotations
