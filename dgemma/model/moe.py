@@ -35,9 +35,11 @@ class Router(nn.Module):
 
 
 def _grouped_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """torch._grouped_mm exists here and the strides meet its 16-byte alignment (needed by its backward)."""
+    """torch._grouped_mm exists, takes this dtype (CUDA kernels: bf16 only; the CPU's any float), and the strides
+    meet its 16-byte alignment (needed by its backward)."""
     align = 16 // x.element_size()
-    return hasattr(torch, "_grouped_mm") and w.shape[1] % align == 0 and w.shape[2] % align == 0
+    dtype_ok = x.device.type == "cpu" or x.dtype == torch.bfloat16
+    return hasattr(torch, "_grouped_mm") and dtype_ok and w.shape[1] % align == 0 and w.shape[2] % align == 0
 
 
 def _padded_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
