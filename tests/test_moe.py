@@ -114,10 +114,11 @@ def test_no_host_read_on_cpu():
         loop_oracle(experts, torch.randn(10, 32), weights, ids)  # the mode does catch the old code
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # grouped, padded (as on CUDA) paths
 @torch.no_grad()
-def test_runs_on_meta():
+def test_runs_on_meta(dtype):
     """On `meta` any data-dependent host read raises: the forward must not need one."""
-    experts = make(dtype=torch.bfloat16, device="meta")
+    experts = make(dtype=dtype, device="meta")
     ids = torch.randint(0, 6, (10, 3), device="meta")
-    out = experts(torch.randn(10, 32, device="meta", dtype=torch.bfloat16), torch.rand(10, 3, device="meta"), ids)
+    out = experts(torch.randn(10, 32, device="meta", dtype=dtype), torch.rand(10, 3, device="meta"), ids)
     assert out.shape == (10, 32) and out.device.type == "meta"
