@@ -1,8 +1,9 @@
 """Preallocated KV cache written by the encoder and read by the decoder.
 
-Slots are absolute sequence indices shared by the batch; `valid` marks real (non-padding) tokens. Slots past
-`length` are scratch space: the decoder puts the canvas keys there so that attention reads one contiguous
-slice, and the next encoder commit overwrites them.
+Slots are absolute sequence indices shared by the batch; `valid` marks real (non-padding) tokens, and the host
+knows that every slot from `padded_until` on is valid (so attention can skip the mask without reading `valid`).
+Slots past `length` are scratch space: the decoder puts the canvas keys there so that attention reads one
+contiguous slice, and the next encoder commit overwrites them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class KVCache:
             self.values.append(torch.zeros(shape, dtype=dtype, device=device))
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
         self.length = 0
+        self.padded_until = 0  # slots below may be padding; slots from here to length are valid
 
     @property
     def batch_size(self) -> int:
@@ -48,8 +50,14 @@ class KVCache:
         start = self.length
         self.ensure(start + n)
         self.valid[:, start:start + n] = True if valid is None else valid
+        if valid is not None and not bool(valid.all()):  # one read per masked prefill, none per step
+            self.padded_until = start + n
         self.length = start + n
         return start
+
+    def has_padding(self, lo: int) -> bool:
+        """Whether any slot from `lo` to `length` may be padding in some row (host state, no device read)."""
+        return self.padded_until > lo
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [B, kv_heads, n, head_dim] into slots start..start+n."""
@@ -80,6 +88,7 @@ class KVCache:
         batch = sum(c.batch_size for c in caches)
         out = cls(first.cfg, batch, max(capacity, length), first.keys[0].dtype, first.valid.device)
         out.length = length
+        out.padded_until = max(length - c.length + c.padded_until for c in caches)  # left pad, then each part's
         pads, row = [], 0
         for c in caches:
             pad = length - c.length

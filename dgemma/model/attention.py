@@ -1,9 +1,13 @@
 """Attention with q/k/v norms, per-layer head size and kv heads, score scale 1.0 and GQA.
 
-Full-attention layers have no v_proj: their values are the (v-normed) raw keys.
+Full-attention layers have no v_proj: their values are the (v-normed) raw keys. A `Span` says which cached
+slots a pass sees and whether it needs a mask: plain causal prefill and unpadded batches call SDPA without one,
+so the fused kernels stay eligible (docs/kernels.md).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +16,29 @@ from torch import nn
 from dgemma.cache import KVCache
 from dgemma.config import TextConfig
 from dgemma.model.layers import Linear, RMSNorm, apply_rope, rope_inv_freq
+
+
+# Flash kernels take head dims up to this; past it (and with a mask) CUDA SDPA uses the memory-efficient kernel,
+# which does not broadcast GQA heads itself: without expanded kv it would fall back to math.
+FLASH_MAX_HEAD_DIM = 256
+
+
+class Span(NamedTuple):
+    """Queries see cached slots lo.. and their own: through `mask` [B, 1, n or 1, slots] if given, causally
+    (SDPA's is_causal: nothing cached before, square scores) if `causal`, else everything."""
+
+    lo: int
+    mask: torch.Tensor | None = None
+    causal: bool = False
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: Span) -> torch.Tensor:
+    """SDPA over q [B, heads, n, D], k/v [B, kv_heads, S, D] with score scale 1.0."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and q.is_cuda and (span.mask is not None or q.shape[-1] > FLASH_MAX_HEAD_DIM):
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, is_causal=span.causal, scale=1.0,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 class Attention(nn.Module):
@@ -31,8 +58,8 @@ class Attention(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope(spec.sliding), self.head_dim), persistent=False)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, start: int,
-                lo: int, mask: torch.Tensor | None, write: bool = True) -> torch.Tensor:
-        """x [B, L, H] at slots start..start+L, attending to slots lo..start+L.
+                span: Span, write: bool = True) -> torch.Tensor:
+        """x [B, L, H] at slots start..start+L, attending to slots span.lo..start+L.
 
         write=True puts the new keys in the cache first (encoder commit, or the decoder's scratch slots);
         write=False leaves the cache untouched and appends them (training, where the cache is in the graph).
@@ -47,10 +74,9 @@ class Attention(nn.Module):
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         if write:
             cache.write(self.layer, start, k, v)
-            keys, values = cache.slice(self.layer, lo, start + n)
+            keys, values = cache.slice(self.layer, span.lo, start + n)
         else:
-            keys, values = cache.slice(self.layer, lo, start)
+            keys, values = cache.slice(self.layer, span.lo, start)
             keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=1.0,
-                                             enable_gqa=self.n_kv != self.n_heads)
+        out = attend(q.transpose(1, 2), keys, values, span)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))

@@ -12,7 +12,7 @@ from torch import nn
 
 from dgemma.cache import KVCache
 from dgemma.config import ModelConfig, TextConfig
-from dgemma.model.attention import Attention
+from dgemma.model.attention import Attention, Span
 from dgemma.model.layers import GatedMLP, RMSNorm, matmul, rope_cos_sin
 from dgemma.model.moe import Experts, Router
 
@@ -36,8 +36,8 @@ class Block(nn.Module):
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, start: int,
-                lo: int, mask: torch.Tensor | None, encoder: bool, write: bool = True) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), rope, cache, start, lo, mask, write)
+                span: Span, encoder: bool, write: bool = True) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), rope, cache, start, span, write)
         x = x + self.post_attention_layernorm(attn)
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
         flat = x.reshape(-1, x.shape[-1])
@@ -104,8 +104,8 @@ class DiffusionGemma(nn.Module):
         """Causal pass over new tokens ids [B, L]; appends them to the cache; returns normed hidden [B, L, H]."""
         n = ids.shape[1]
         start = cache.reserve(n, valid)
-        masks = {s: self._encoder_mask(cache, start, n, s) for s in (True, False)}
-        x = self._run(self.embed(ids), cache, start, n, positions, masks, encoder=True)
+        spans = {s: self._encoder_span(cache, start, n, s) for s in (True, False)}
+        x = self._run(self.embed(ids), cache, start, n, positions, spans, encoder=True)
         return self.norm(x)
 
     def denoise(self, canvas: torch.Tensor, cache: KVCache, signal: torch.Tensor | None = None,
@@ -122,13 +122,13 @@ class DiffusionGemma(nn.Module):
         if context is not None:
             if positions is None:
                 positions = context[:, None] + torch.arange(n, device=canvas.device)
-            masks = {s: (0, self._context_mask(cache, context, n, s)) for s in (True, False)}
-            return self.norm(self._run(x, cache, start, n, positions, masks, encoder=False, write=False))
+            spans = {s: Span(0, self._context_mask(cache, context, n, s)) for s in (True, False)}
+            return self.norm(self._run(x, cache, start, n, positions, spans, encoder=False, write=False))
         cache.ensure(start + n)
-        masks = {s: self._decoder_mask(cache, start, n, s) for s in (True, False)}
-        return self.norm(self._run(x, cache, start, n, positions, masks, encoder=False))
+        spans = {s: self._decoder_span(cache, start, n, s) for s in (True, False)}
+        return self.norm(self._run(x, cache, start, n, positions, spans, encoder=False))
 
-    def _run(self, x, cache, start, n, positions, masks, encoder, write=True):
+    def _run(self, x, cache, start, n, positions, spans, encoder, write=True):
         if positions is None:
             positions = torch.arange(start, start + n, device=x.device)[None].expand(x.shape[0], n)
         ropes = {}
@@ -137,12 +137,16 @@ class DiffusionGemma(nn.Module):
             key = (attn.sliding, attn.head_dim)
             if key not in ropes:
                 ropes[key] = rope_cos_sin(attn.inv_freq, positions, x.dtype)
-            lo, mask = masks[attn.sliding]
-            x = block(x, ropes[key], cache, start, lo, mask, encoder, write)
+            x = block(x, ropes[key], cache, start, spans[attn.sliding], encoder, write)
         return x
 
-    def _encoder_mask(self, cache: KVCache, start: int, n: int, sliding: bool):
+    def _encoder_span(self, cache: KVCache, start: int, n: int, sliding: bool) -> Span:
+        """Causal attention over slots lo..start+n. No mask where nothing visible is padding and the sliding
+        window cuts no query's view short: one new token sees every slot; a first chunk is plain causal."""
         lo = cache.window_start(sliding, start)
+        window_cuts = sliding and start + n - self.cfg.text.sliding_window > lo
+        if not cache.has_padding(lo) and not window_cuts and (n == 1 or start == lo):
+            return Span(lo, causal=n > 1)
         q = torch.arange(start, start + n, device=cache.valid.device)[:, None]
         kv = torch.arange(lo, start + n, device=cache.valid.device)[None, :]
         allowed = kv <= q
@@ -150,7 +154,7 @@ class DiffusionGemma(nn.Module):
             allowed = allowed & (kv > q - self.cfg.text.sliding_window)
         mask = allowed[None] & cache.valid[:, None, lo:start + n]
         mask = mask | (kv == q)[None]  # padding queries attend to themselves: no empty softmax rows
-        return lo, mask[:, None]
+        return Span(lo, mask[:, None])
 
     def _context_mask(self, cache: KVCache, context: torch.Tensor, n: int, sliding: bool) -> torch.Tensor:
         slots = torch.arange(cache.length, device=context.device)[None]
@@ -159,10 +163,12 @@ class DiffusionGemma(nn.Module):
             past = past & (slots > context[:, None] - self.cfg.text.sliding_window)
         return torch.cat([past, past.new_ones(past.shape[0], n)], dim=1)[:, None, None, :]
 
-    def _decoder_mask(self, cache: KVCache, start: int, n: int, sliding: bool):
+    def _decoder_span(self, cache: KVCache, start: int, n: int, sliding: bool) -> Span:
+        """The canvas sees all of itself and the valid cached slots; the cache knows on the host whether any
+        visible slot is padding, so the unpadded case needs no device read and no mask."""
         lo = cache.window_start(sliding, start)
+        if not cache.has_padding(lo):
+            return Span(lo)
         past = cache.valid[:, lo:start]
-        if bool(past.all()):
-            return lo, None
         mask = torch.cat([past, past.new_ones(past.shape[0], n)], dim=1)
-        return lo, mask[:, None, None, :]
+        return Span(lo, mask[:, None, None, :])

@@ -1,13 +1,19 @@
-"""Mixture of experts: a normalised, scaled router and stacked expert weights."""
+"""Mixture of experts: a normalised, scaled router and stacked expert weights run as grouped matmuls.
+
+Routed rows are sorted by expert on the device; each projection is one grouped GEMM over all experts
+(`torch._grouped_mm`, or a padded batched matmul where that is missing). Nothing is read back to the host,
+so the layer launches the same few kernels whatever the routing.
+"""
 
 from __future__ import annotations
+
+import threading
 
 import torch
 from torch import nn
 
 from dgemma.config import TextConfig
-from dgemma.model.layers import Linear, RMSNorm, gelu_tanh, matmul
-
+from dgemma.model.layers import Linear, RMSNorm, gelu_tanh, gemm_dtype
 
 class Router(nn.Module):
     def __init__(self, cfg: TextConfig):
@@ -28,8 +34,60 @@ class Router(nn.Module):
         return weights * self.per_expert_scale[ids], ids
 
 
+def _grouped_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """torch._grouped_mm exists, takes this dtype (CUDA kernels: bf16 only; the CPU's any float), and the strides
+    meet its 16-byte alignment (needed by its backward)."""
+    align = 16 // x.element_size()
+    dtype_ok = x.device.type == "cpu" or x.dtype == torch.bfloat16
+    return hasattr(torch, "_grouped_mm") and dtype_ok and w.shape[1] % align == 0 and w.shape[2] % align == 0
+
+
+def _padded_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Fallback without grouped GEMM: row r goes to slot r - start[e] of expert e's block of R rows (no expert
+    gets more than R), one batched matmul [E, R, K] @ [E, K, N]; E/k times the FLOPs, no host read."""
+    e, r = w.shape[0], x.shape[0]
+    rows = torch.arange(r, device=x.device)
+    expert = torch.searchsorted(ends, rows, right=True)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    slot = expert * r + rows - starts[expert]
+    blocks = x.new_zeros(e * r, x.shape[1]).index_copy_(0, slot, x).view(e, r, -1)
+    return torch.bmm(blocks, w.transpose(1, 2)).view(e * r, -1)[slot]
+
+
+def _grouped(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    if _grouped_ok(x, w):
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=ends.to(torch.int32))
+    return _padded_mm(x, w, ends)
+
+
+_local = threading.local()
+
+
+def _converted(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """w in `dtype`, written into a per-thread workspace that every layer reuses: a fresh allocation of a whole
+    stack costs several times the conversion in page faults (docs/kernels.md). Autograd gets its own copy."""
+    if torch.is_grad_enabled() and w.requires_grad:
+        return w.to(dtype)
+    ws = getattr(_local, "workspace", None)
+    if ws is None or ws.numel() < w.numel() or ws.dtype != dtype or ws.device != w.device:
+        ws = _local.workspace = torch.empty(w.numel(), dtype=dtype, device=w.device)
+    return ws[:w.numel()].view(w.shape).copy_(w)
+
+
+def expert_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """x [R, K] sorted by expert (expert e owns rows ends[e-1]..ends[e]) times w[e].T, w [E, N, K] -> [R, N].
+
+    The one place that touches stacked expert weights (a quantized weight type replaces this). bf16 weights on a
+    CPU without native bf16 run a float32 GEMM on a converted copy (exact inputs, float32 accumulation).
+    """
+    dtype = gemm_dtype(w)
+    if dtype != w.dtype:
+        w = _converted(w, dtype)
+    return _grouped(x.to(dtype), w, ends).to(x.dtype)
+
+
 class Experts(nn.Module):
-    """gate_up_proj [E, 2I, H], down_proj [E, H, I]; tokens are grouped by expert, one matmul pair per expert."""
+    """gate_up_proj [E, 2I, H], down_proj [E, H, I]; all routed rows go through one grouped GEMM per projection."""
 
     def __init__(self, cfg: TextConfig):
         super().__init__()
@@ -38,22 +96,12 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H], weights/ids [T, k] -> [T, H]. Outputs are gathered back by inverse permutation and summed
-        over the k choices (index_add_ is very slow on CPU)."""
+        """x [T, H], weights/ids [T, k] -> [T, H]. Rows are sorted by expert, run through the grouped GEMMs,
+        scattered back by inverse permutation and summed over the k choices (index_add_ is slow on CPU)."""
         t, k = ids.shape
-        flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        tokens = x[order // k]
-        outs = []
-        start = 0
-        for expert, n in enumerate(counts):
-            if n == 0:
-                continue
-            gate, up = matmul(tokens[start:start + n], self.gate_up_proj[expert].T).chunk(2, dim=-1)
-            outs.append(matmul(gelu_tanh(gate) * up, self.down_proj[expert].T))
-            start += n
-        y = torch.cat(outs) * weights.flatten()[order, None]
-        unsorted = torch.empty_like(y)
-        unsorted[order] = y
+        experts, order = torch.sort(ids.flatten(), stable=True)
+        ends = torch.searchsorted(experts, torch.arange(self.down_proj.shape[0], device=ids.device), right=True)
+        gate, up = expert_matmul(x[order // k], self.gate_up_proj, ends).chunk(2, dim=-1)
+        y = expert_matmul(gelu_tanh(gate) * up, self.down_proj, ends) * weights.flatten()[order, None]
+        unsorted = torch.empty_like(y).index_copy_(0, order, y)
         return unsorted.view(t, k, -1).sum(1).to(x.dtype)

@@ -1,0 +1,107 @@
+"""Attention spans: unmasked SDPA (is_causal prefill, plain decoder) equals the masked path, padding still
+masks, and deciding between them reads nothing from the device."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dgemma.cache import KVCache
+from dgemma.config import ModelConfig, TextConfig
+from dgemma.model import DiffusionGemma
+from test_moe import NoHostRead
+
+WINDOW = 6
+
+
+@pytest.fixture(scope="module")
+def model():
+    text = TextConfig(vocab_size=200, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
+                      num_experts=4, top_k_experts=2, moe_intermediate_size=16,
+                      layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+                      per_layer={1: {"head_dim": 32, "num_key_value_heads": 1}})
+    m = DiffusionGemma(ModelConfig(text, canvas_length=5)).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.2 * noise if "norm" in name or "scale" in name else 0.3 * noise)
+    return m
+
+
+@pytest.fixture
+def sdpa_calls(monkeypatch):
+    """Records (mask given, is_causal) of every SDPA call."""
+    calls, real = [], F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask") is not None, kwargs.get("is_causal", False)))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def prefill_and_denoise(model, prompt, valid=None, positions=None):
+    cache = model.new_cache(prompt.shape[0], 4)
+    hidden = model.encode(prompt, cache, valid=valid, positions=positions)
+    canvas = torch.randint(0, 200, (prompt.shape[0], 5), generator=torch.Generator().manual_seed(1))
+    return hidden, model.denoise(canvas, cache), cache
+
+
+@pytest.mark.parametrize("n", [4, WINDOW, 15])
+@torch.no_grad()
+def test_unmasked_prefill_and_decoder_equal_masked(model, n, sdpa_calls, monkeypatch):
+    prompt = torch.randint(0, 200, (2, n), generator=torch.Generator().manual_seed(n))
+    fast = prefill_and_denoise(model, prompt)
+    sliding, full = sdpa_calls[0], sdpa_calls[1]
+    assert full == (False, True)  # full layers: plain causal at any length
+    assert sliding == ((True, False) if n > WINDOW else (False, True))  # the window cuts in past its size
+    assert all(call == (False, False) for call in sdpa_calls[3:])  # the decoder: no mask
+    monkeypatch.setattr(KVCache, "has_padding", lambda self, lo: True)  # force the masked paths
+    slow = prefill_and_denoise(model, prompt)
+    for a, b in zip(fast[:2], slow[:2]):
+        assert (model.head(a) - model.head(b)).abs().max() <= 1e-5
+
+
+@torch.no_grad()
+def test_padded_batch_matches_rows_alone(model, sdpa_calls):
+    """Row 1 is left-padded by 2 (with its own positions); the window covers every slot, so the row must give
+    what it gives alone, for the prompt and for a canvas."""
+    prompt = torch.randint(0, 200, (2, 5), generator=torch.Generator().manual_seed(5))
+    valid = torch.ones(2, 5, dtype=torch.bool)
+    valid[1, :2] = False
+    shift = torch.tensor([[0], [2]])
+    cache = model.new_cache(2, 4)
+    hidden = model.encode(prompt, cache, valid=valid, positions=(torch.arange(5)[None] - shift).clamp(min=0))
+    canvas = torch.randint(0, 200, (2, 5), generator=torch.Generator().manual_seed(1))
+    denoised = model.denoise(canvas, cache, positions=torch.arange(5, 10)[None] - shift)
+    assert cache.has_padding(0) and all(mask for mask, _ in sdpa_calls)
+    alone = model.new_cache(1, 4)
+    assert (model.head(hidden[1, 2:]) - model.head(model.encode(prompt[1:, 2:], alone)[0])).abs().max() <= 1e-5
+    assert (model.head(denoised[1]) - model.head(model.denoise(canvas[1:], alone)[0])).abs().max() <= 1e-5
+
+
+@torch.no_grad()
+def test_padding_known_through_merge_and_window(model):
+    parts = [model.new_cache(1, 8), model.new_cache(1, 8)]
+    model.encode(torch.randint(0, 200, (1, 3)), parts[0])
+    model.encode(torch.randint(0, 200, (1, 5)), parts[1])
+    merged, pads = KVCache.merge(parts, 16)
+    assert pads == [2, 0] and merged.has_padding(0) and merged.has_padding(1) and not merged.has_padding(2)
+    same, _ = KVCache.merge([parts[1], parts[1]], 16)
+    assert not same.has_padding(0)
+    # padding that has slid out of every sliding window no longer needs a mask there
+    model.encode(torch.randint(0, 200, (2, 12)), merged)
+    assert merged.window_start(True, merged.length) >= 2 and not merged.has_padding(merged.window_start(True, 17))
+
+
+@torch.no_grad()
+def test_steps_read_nothing_from_the_device(model):
+    """A denoising step and an autoregressive token decide their masks on the host."""
+    for valid in (None, torch.tensor([[False, True, True, True], [True] * 4])):
+        cache = model.new_cache(2, 16)
+        model.encode(torch.randint(0, 200, (2, 4)), cache, valid=valid)
+        with NoHostRead():
+            model.denoise(torch.randint(0, 200, (2, 5)), cache)
+            model.encode(torch.randint(0, 200, (2, 1)), cache)
