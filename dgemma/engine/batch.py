@@ -28,7 +28,8 @@ def prefill(model: DiffusionGemma, rows: list[Request], pad_id: int, room: int,
     cache = model.new_cache(len(rows), n + room)
     for r in rows:
         r.stats.t_start = time.perf_counter()
-    model.encode(ids, cache, valid=slots >= pads[:, None], positions=positions)
+    padded = any(len(r.prompt) < n for r in rows)  # known on the host: no device read to find out
+    model.encode(ids, cache, valid=slots >= pads[:, None] if padded else None, positions=positions)
     return cache, pads
 
 

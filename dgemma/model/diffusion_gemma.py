@@ -85,13 +85,13 @@ class DiffusionGemma(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight
-        return self.embed_tokens(ids) * torch.tensor(self.embed_scale, dtype=w.dtype)
+        return self.embed_tokens(ids) * torch.tensor(self.embed_scale, dtype=w.dtype, device=w.device)
 
     def soft_embed(self, logits: torch.Tensor) -> torch.Tensor:
         """softmax(logits) @ E * sqrt(H): the self-conditioning signal."""
         w = self.embed_tokens.weight
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(w.dtype)
-        return matmul(probs, w) * torch.tensor(self.embed_scale, dtype=w.dtype)
+        return matmul(probs, w) * torch.tensor(self.embed_scale, dtype=w.dtype, device=w.device)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head with the final softcap, float32 logits."""
