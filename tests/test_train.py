@@ -69,7 +69,7 @@ def workdir(tmp_path_factory):
 def tiny_config(workdir: Path, out: Path, **over):
     values = dict(model_config=TINY, tokenizer=str(workdir / "tok"), train_data=str(workdir / "train.txt"),
                   valid_data=str(workdir / "valid.txt"), out=str(out), canvases=2, max_prompt=6, batch_size=3,
-                  steps=4, lr=1e-2, warmup=1, eval_every=0, save_every=0, save_minutes=1e9, precision="fp32",
+                  steps=4, lr=1e-2, warmup=1, eval_every=0, save_every=0, save_minutes=1e9, precision="float32",
                   eval_batches=1)
     values.update(over)
     return make_config(values)
@@ -354,7 +354,7 @@ def test_lora_trains_only_adapters_and_merges(workdir, tmp_path):
     cfg = make_config(dict(model=str(base), train_data=str(workdir / "train.txt"), out=str(tmp_path / "lora"),
                            lora=True, lora_r=4, lora_alpha=8, lora_targets=["attention", "mlp", "experts"],
                            steps=2, batch_size=2, lr=5e-2, warmup=1, eval_every=0, save_minutes=1e9,
-                           precision="fp32", canvases=2, max_prompt=6))
+                           precision="float32", canvases=2, max_prompt=6))
     trainer = Trainer(cfg, progress=False)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
@@ -429,7 +429,7 @@ def test_merge_adapter_errors_are_one_line(workdir, tmp_path):
 
 
 def test_bf16_autocast_keeps_fp32_master_weights(workdir, tmp_path):
-    trainer = Trainer(tiny_config(workdir, tmp_path, precision="bf16"), progress=False)
+    trainer = Trainer(tiny_config(workdir, tmp_path, precision="bfloat16"), progress=False)
     assert trainer.amp == torch.bfloat16
     stats = trainer.train_step()
     assert math.isfinite(stats["loss"])
