@@ -437,6 +437,38 @@ def test_bf16_autocast_keeps_fp32_master_weights(workdir, tmp_path):
     assert all(s["exp_avg"].dtype == torch.float32 for s in trainer.optimizer.state.values())
 
 
+def test_precision_and_save_dtype_use_the_dtype_vocabulary(workdir, tmp_path):
+    from dgemma.errors import ConfigError
+
+    for field, old in (("precision", "fp32"), ("precision", "bf16"), ("save_dtype", "bf16")):
+        with pytest.raises(ConfigError, match=rf"^{field}='{old}' must be one of (auto, )?float32, bfloat16$"):
+            tiny_config(workdir, tmp_path, **{field: old})
+    assert tiny_config(workdir, tmp_path, precision="auto", save_dtype="bfloat16").precision == "auto"
+
+
+def test_generation_config_comes_from_sampling_params(workdir, tmp_path):
+    from dgemma.errors import CheckpointError, ConfigError
+    from dgemma.sampling.params import SamplingParams
+    from dgemma.train.checkpoint import generation_config
+
+    default = SamplingParams()
+    cfg = generation_config([1, 5], 0, 2)
+    assert (cfg["max_new_tokens"], cfg["max_denoising_steps"], cfg["t_min"], cfg["t_max"]) == \
+        (default.max_new_tokens, default.max_denoising_steps, default.t_min, default.t_max)
+    assert cfg["sampler_config"] == {"entropy_bound": default.entropy_bound, "_cls_name": "EntropyBoundSamplerConfig"}
+    assert cfg["eos_token_id"] == [1, 5]
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"t_max": 0.7, "sampler_config": {"entropy_bound": 0.3}, "return_dict_in_generate": True}))
+    cfg = generation_config([1], 0, 2, {"t_min": 0.1}, tmp_path)
+    assert (cfg["t_min"], cfg["t_max"], cfg["sampler_config"]["entropy_bound"]) == (0.1, 0.7, 0.3)
+    assert cfg["return_dict_in_generate"] is True
+    with pytest.raises(ConfigError, match="generation: unknown key"):
+        tiny_config(workdir, tmp_path, generation={"temperature": 1.0})
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="invalid JSON"):
+        generation_config([1], 0, 2, None, tmp_path)
+
+
 def test_config_file_and_flags(workdir, tmp_path):
     from dgemma.train.command import _config_values, add_arguments
 

@@ -105,6 +105,9 @@ class TrainConfig:
         parse_dtype(self.save_dtype, "save_dtype")
         if self.ar_weight < 0 or self.clip < 0 or self.weight_decay < 0:
             raise ConfigError("ar_weight, clip and weight_decay must be >= 0")
+        from dgemma.train.checkpoint import sampling_params
+
+        sampling_params({}, self.generation)  # bad generation overrides fail now, not at the export
 
     def lora_target_names(self) -> tuple[list[str], list[str]]:
         """(module name suffixes, 3D parameter names) for peft."""

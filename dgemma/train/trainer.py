@@ -95,9 +95,9 @@ class Trainer:
         from dgemma.weights import load_model
 
         cfg = self.cfg
+        torch.manual_seed(cfg.seed)  # the from-scratch initialisation and peft's LoRA A matrices
         if cfg.model_config is not None:
             hf = {"model_type": "diffusion_gemma", **cfg.model_config}
-            torch.manual_seed(cfg.seed)
             model = DiffusionGemma(ModelConfig.from_hf(hf))
             init_weights(model, cfg.init_std)
             model = model.to(self.device)
