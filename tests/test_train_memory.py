@@ -9,7 +9,7 @@ from dgemma.train import objective
 from dgemma.train.data import Example, collate
 from dgemma.train.objective import ObjectiveConfig, autoregressive_loss, compute_losses, diffusion_loss
 from dgemma.train.trainer import Trainer
-from test_train import _tiny_model, make_config, tiny_config, workdir  # noqa: F401 (a fixture)
+from test_train import _tiny_model, make_config, make_tokenizer, tiny_config, write_text
 
 
 def _grads(loss: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -50,9 +50,13 @@ def test_compute_losses_is_the_same_for_any_chunk_size(monkeypatch):
     assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-4) for a, b in zip(grads_a, grads_b) if a is not None)
 
 
-def test_lora_base_in_bfloat16_adapters_in_float32(workdir, tmp_path):
+def test_lora_base_in_bfloat16_adapters_in_float32(tmp_path):
     from dgemma.weights import load_model
 
+    workdir = tmp_path
+    make_tokenizer(workdir / "tok")
+    write_text(workdir / "train.txt")
+    write_text(workdir / "valid.txt", docs=2, seed=1)
     base = tmp_path / "base"
     Trainer(tiny_config(workdir, tmp_path / "scratch", steps=1), progress=False).run()
     (tmp_path / "scratch" / "final").rename(base)

@@ -29,7 +29,8 @@ _FLAGS = {
     "--max-prompt": ("max_prompt", int, "prompt tokens at most"),
     "--ar-weight": ("ar_weight", float, "weight of the encoder's next-token loss"),
     "--self-cond-prob": ("self_cond_prob", float, "probability of the self-conditioning signal"),
-    "--precision": ("precision", str, "auto | float32 | bfloat16 (bf16 autocast; float32 master weights, a bf16 frozen LoRA base)"),
+    "--precision": ("precision", str, "auto | float32 | bfloat16 (bf16: autocast over float32 master weights, "
+                    "or a bf16 frozen LoRA base)"),
     "--lora-r": ("lora_r", int, "LoRA rank"),
     "--lora-alpha": ("lora_alpha", int, "LoRA alpha"),
     "--eval-every": ("eval_every", int, "held-out loss every N steps (0: never)"),
