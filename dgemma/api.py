@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -11,18 +10,19 @@ from typing import Any
 
 import torch
 
-from dgemma.engine import Engine, Event, Request
-from dgemma.engine import autoregressive
-from dgemma.errors import DgemmaError
+from dgemma.engine import AutoregressiveEngine, Engine, OutputStream, ReferenceRunner, Request, StreamEvent
 from dgemma.dtypes import native_bf16, parse_dtype
-from dgemma.sampling import SamplingParams, make_generator
-from dgemma.textstream import TextStream
-from dgemma.tokenizer import Tokenizer, read_json
+from dgemma.errors import DgemmaError
+from dgemma.sampling import Limits, SamplingParams, SamplingParamsError
+from dgemma.jsonfile import read_json
+from dgemma.tokenizer import Tokenizer
 from dgemma.weights import load_model, resolve_checkpoint
 
 DEMO_MODEL = Path(__file__).parent / "assets" / "demo"
 
 Prompt = str | list[int] | list[dict[str, Any]]
+MODES = ("diffusion", "autoregressive")
+SAMPLINGS = ("fast", "reference")
 
 
 @dataclass
@@ -36,16 +36,6 @@ class Result:
     def to_dict(self) -> dict[str, Any]:
         return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason,
                 "prompt_tokens": self.prompt_tokens, "stats": self.stats}
-
-
-@dataclass
-class StreamEvent:
-    """kind: "draft" (text of the current canvas), "text" (newly committed text), "done" (the final Result)."""
-
-    kind: str
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    result: Result | None = None
 
 
 def load(path_or_repo: str | Path | None = None, dtype: str | torch.dtype = "auto",
@@ -70,11 +60,8 @@ AUTO_FLOAT32_BYTES = 4 << 30  # "auto" upcasts bf16 checkpoints up to this size 
 
 def _resolve_dtype(dtype: str | torch.dtype, directory: Path, device: torch.device) -> torch.dtype:
     if dtype == "auto":
-        try:
-            config = json.loads((directory / "config.json").read_text())
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-            config = {}  # load_model reports a missing or broken config.json
-        saved = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+        config = read_json(directory / "config.json")  # {} when missing: load_model then says so
+        saved = config.get("dtype") or config.get("torch_dtype")
         if saved != "bfloat16":
             return torch.float32
         small = sum(f.stat().st_size for f in directory.glob("*.safetensors")) <= AUTO_FLOAT32_BYTES
@@ -83,11 +70,11 @@ def _resolve_dtype(dtype: str | torch.dtype, directory: Path, device: torch.devi
 
 
 class Model:
-    def __init__(self, model, tokenizer: Tokenizer | None, directory: Path):
-        self.model = model
+    def __init__(self, module, tokenizer: Tokenizer | None, directory: Path):
+        self.module = module  # the DiffusionGemma torch module
         self.tokenizer = tokenizer
         self.directory = directory
-        text = model.cfg.text
+        text = module.cfg.text
         self.defaults = SamplingParams.from_generation_config(read_json(directory / "generation_config.json"))
         if self.defaults.eos_token_ids is None:
             self.defaults = self.defaults.replace(eos_token_ids=text.eos_token_id)
@@ -96,27 +83,28 @@ class Model:
 
     # ---- inputs -----------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, (str, list)) and not prompt:
+            raise SamplingParamsError("empty prompt", "prompt")
         if isinstance(prompt, str):
-            if not prompt:
-                raise DgemmaError("empty prompt")
             ids = self._require_tokenizer().encode(prompt)
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
             ids = self._require_tokenizer().encode_chat(list(prompt))
         elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
         else:
-            raise DgemmaError("a prompt is text, a list of chat messages, or a list of token ids")
+            raise SamplingParamsError("a prompt is text, a list of chat messages, or a list of token ids", "prompt")
         return self.check_ids(ids)
 
     def check_ids(self, ids: list[int]) -> list[int]:
-        vocab = self.model.cfg.text.vocab_size
+        vocab = self.module.cfg.text.vocab_size
         if not ids:
-            raise DgemmaError("empty prompt")
+            raise SamplingParamsError("empty prompt", "prompt")
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise DgemmaError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        if self.model.cfg.image_token_id in ids:
-            raise DgemmaError("image inputs are not supported yet (the prompt contains the image token)")
+            raise SamplingParamsError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "prompt")
+        if self.module.cfg.image_token_id in ids:
+            raise SamplingParamsError("image inputs are not supported yet (the prompt contains the image token)",
+                                      "prompt")
         return ids
 
     def _require_tokenizer(self) -> Tokenizer:
@@ -127,87 +115,74 @@ class Model:
     def params(self, **options: Any) -> SamplingParams:
         return self.defaults.replace(**options)
 
-    def check_request(self, ids: list[int], params: SamplingParams) -> None:
-        params.validate(self.model.cfg.text.vocab_size, self.max_context, len(ids))
+    def check_request(self, ids: list[int], params: SamplingParams, limits: Limits = Limits()) -> None:
+        """Everything about a request that needs the model: the one validation path (SamplingParams)."""
+        params.validate(self.module.cfg.text.vocab_size, self.max_context, len(ids), limits)
         if params.stop and self.tokenizer is None:
-            raise DgemmaError("stop strings need a tokenizer; this checkpoint has none")
+            raise SamplingParamsError("stop strings need a tokenizer; this checkpoint has none", "stop")
 
     # ---- generation -------------------------------------------------------------------------------------
-    def generate(self, prompt: Prompt | list[Prompt], **options: Any) -> Result | list[Result]:
-        """Generate for one prompt (returns a Result) or a list of prompts decoded as one batch."""
+    def generate(self, prompt: Prompt | list[Prompt], mode: str = "diffusion", sampling: str = "fast",
+                 **options: Any) -> Result | list[Result]:
+        """Generate for one prompt (returns a Result) or a list of prompts decoded as one batch. `mode`:
+        diffusion or autoregressive; `sampling` (diffusion): fast, or reference (transformers draw for draw);
+        `options`: SamplingParams fields."""
         batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
         prompts = prompt if batch else [prompt]
-        results: dict[int, Result] = {}
-        for i, event in self._run(prompts, options, drafts=False):
-            if event.kind == "done":
-                results[i] = event.result
+        results = {i: ev.result for i, ev in self._run(prompts, mode, sampling, options, False) if ev.kind == "done"}
         ordered = [results[i] for i in range(len(prompts))]
         return ordered if batch else ordered[0]
 
-    def stream(self, prompt: Prompt, drafts: bool = True, **options: Any) -> Iterator[StreamEvent]:
-        """Yield draft canvases (as text), committed text deltas, then a final "done" event with the Result."""
-        yield from (event for _, event in self._run([prompt], options, drafts=drafts))
+    def stream(self, prompt: Prompt, drafts: bool = True, mode: str = "diffusion", sampling: str = "fast",
+               **options: Any) -> Iterator[StreamEvent]:
+        """Yield drafts of the current canvas, committed text deltas, then a "done" event with the Result."""
+        yield from (event for _, event in self._run([prompt], mode, sampling, options, drafts))
 
-    def _run(self, prompts: list[Prompt], options: dict[str, Any], drafts: bool) -> Iterator[tuple[int, StreamEvent]]:
+    def runner(self, mode: str = "diffusion", sampling: str = "fast", max_batch: int = 16):
+        """The engine for a decoding mode: `Engine` (continuous batching), `ReferenceRunner` or
+        `AutoregressiveEngine`; all take `add_request` and yield the same events from `stream()`."""
+        eos = self.defaults.eos_token_ids or ()
+        if mode not in MODES or sampling not in SAMPLINGS:
+            bad, name, names = (("mode", mode, MODES) if mode not in MODES else ("sampling", sampling, SAMPLINGS))
+            raise SamplingParamsError(f"{bad}={name!r} must be one of {', '.join(names)}", bad)
+        if mode == "autoregressive":
+            return AutoregressiveEngine(self.module, eos)
+        if sampling == "reference":
+            return ReferenceRunner(self.module, eos, self.pad_id)
+        return Engine(self.module, eos, self.pad_id, max_batch)
+
+    def _run(self, prompts: list[Prompt], mode: str, sampling: str, options: dict[str, Any],
+             drafts: bool) -> Iterator[tuple[int, StreamEvent]]:
         params = self.params(**options)
         ids = [self.encode_prompt(p) for p in prompts]
         for x in ids:
             self.check_request(x, params)
-        if params.mode == "autoregressive":
-            for i, x in enumerate(ids):
-                req = Request(f"ar-{i}", x, params, params.eos_token_ids, generator=make_generator(params.seed))
-                yield from self._drive({req.id: (i, req)}, autoregressive.decode(self.model, req))
-            return
-        engine = Engine(self.model, params.eos_token_ids, self.pad_id, params.sampling, max_batch=max(1, len(ids)))
-        if params.sampling == "reference" and params.seed is not None:
-            torch.manual_seed(params.seed)
+        runner = self.runner(mode, sampling, max(1, len(ids)))
         reqs = {}
         for i, x in enumerate(ids):
-            req = engine.add_request(x, params, drafts=drafts)
-            reqs[req.id] = (i, req)
-        yield from self._drive(reqs, engine.stream(), engine)
+            req = runner.add_request(x, params, drafts=drafts)
+            reqs[req.id] = (i, req, OutputStream(self.tokenizer, params.stop))
+        for ev in runner.stream():
+            i, req, out = reqs[ev.request_id]
+            for item in out.feed(ev):
+                if item.kind == "done":
+                    runner.abort(req.id)  # a stop string ends the request before the engine knows
+                    item.result = self._result(req, out)
+                yield i, item
 
-    def _drive(self, reqs: dict[str, tuple[int, Request]], events: Iterator[Event],
-               engine: Engine | None = None) -> Iterator[tuple[int, StreamEvent]]:
-        streams = {rid: TextStream(self.tokenizer, r.params.stop) if self.tokenizer else None
-                   for rid, (_, r) in reqs.items()}
-        for ev in events:
-            i, req = reqs[ev.request_id]
-            ts = streams[ev.request_id]
-            if ev.kind == "draft":
-                text = self.tokenizer.decode(ev.token_ids) if self.tokenizer else ""
-                yield i, StreamEvent("draft", text, ev.token_ids)
-            elif ev.kind == "commit":
-                delta = ts.push(ev.token_ids) if ts else ""
-                yield i, StreamEvent("text", delta, ev.token_ids)
-                if ts and ts.stopped and not req.finished:
-                    if engine is not None:
-                        engine.abort(req.id)
-                    req.finish_reason = "stop"
-                    yield i, self._done(req, ts)
-            elif ev.kind == "finish" and not (ts and ts.stopped):
-                if ts:
-                    tail = ts.push([], final=True)
-                    if tail:
-                        yield i, StreamEvent("text", tail)
-                yield i, self._done(req, ts)
-
-    def _done(self, req: Request, ts: TextStream | None) -> StreamEvent:
+    def _result(self, req: Request, out: OutputStream) -> Result:
         req.stats.t_end = req.stats.t_end or time.perf_counter()
-        ids = ts.kept_ids() if ts else req.output
-        text = ts.text if ts else None
-        reason = "stop" if ts and ts.stopped else req.finish_reason
-        result = Result(ids, text, reason, req.stats.to_dict(len(ids)), len(req.prompt))
-        return StreamEvent("done", result=result)
+        ids = out.kept_ids()
+        return Result(ids, out.text, out.finish_reason, req.stats.to_dict(len(ids)), len(req.prompt))
 
     # ---- description ------------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
-        cfg = self.model.cfg
+        cfg = self.module.cfg
         t = cfg.text
         return {
-            "path": str(self.directory), "dtype": str(self.model.dtype).removeprefix("torch."),
-            "device": str(self.model.device),
-            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "path": str(self.directory), "dtype": str(self.module.dtype).removeprefix("torch."),
+            "device": str(self.module.device),
+            "parameters": sum(p.numel() for p in self.module.parameters()),
             "layers": t.num_hidden_layers, "hidden_size": t.hidden_size, "vocab_size": t.vocab_size,
             "experts": f"{t.top_k_experts} of {t.num_experts}", "canvas_length": cfg.canvas_length,
             "sliding_window": t.sliding_window, "max_context": t.max_position_embeddings,

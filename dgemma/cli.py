@@ -33,8 +33,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model = load_model_from_args(args)
     options = {"max_new_tokens": args.max_new_tokens, "max_denoising_steps": args.steps, "t_min": args.t_min,
                "t_max": args.t_max, "entropy_bound": args.entropy_bound, "seed": args.seed,
-               "sampling": args.sampling, "mode": args.mode, "stop": tuple(args.stop) or None,
-               "ar_temperature": args.ar_temperature}
+               "stop": tuple(args.stop) or None, "ar_temperature": args.ar_temperature,
+               "mode": args.mode, "sampling": args.sampling}
     if args.json:
         print(json.dumps(model.generate(prompt, **options).to_dict()))
         return 0
@@ -64,9 +64,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--entropy-bound", type=float, help="entropy budget for accepting tokens per step")
     p.add_argument("--seed", type=int, help="random seed (same seed, same output)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--sampling", choices=["reference", "fast"], help="reference: draw-for-draw as transformers; "
+    p.add_argument("--sampling", choices=["reference", "fast"], default="fast", help="reference: draw-for-draw as transformers; "
                    "fast: per-request RNG (default: fast)")
-    p.add_argument("--mode", choices=["diffusion", "autoregressive"], help="decode by diffusion (default) or "
+    p.add_argument("--mode", choices=["diffusion", "autoregressive"], default="diffusion", help="decode by diffusion (default) or "
                    "autoregressively with the encoder")
     p.add_argument("--ar-temperature", type=float, help="autoregressive mode: sampling temperature (0 = greedy)")
     out = p.add_mutually_exclusive_group()

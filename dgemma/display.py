@@ -6,26 +6,30 @@ import shutil
 import sys
 from collections.abc import Iterable
 
-from dgemma.api import StreamEvent
+from dgemma.engine import StreamEvent
 
 
 def print_stream(events: Iterable[StreamEvent], visual: bool = False, show_ids: bool = False) -> None:
+    """Committed text as it arrives; with `visual` on a terminal, committed text plus the current canvas,
+    redrawn in place at every denoising step, then the final text."""
     out, err = sys.stdout, sys.stderr
     live = visual and out.isatty()
-    drawn = 0
-    result = None
+    drawn, committed, result = 0, "", None
     for ev in events:
+        shown = " ".join(map(str, ev.token_ids)) + " " if show_ids else ev.text
         if ev.kind == "draft" and live:
-            drawn = _redraw(out, ev.text if not show_ids else " ".join(map(str, ev.token_ids)), drawn)
-        elif ev.kind == "text" and not visual:
-            out.write(ev.text if not show_ids else " ".join(map(str, ev.token_ids)) + " ")
-            out.flush()
+            drawn = _redraw(out, committed + shown, drawn)
+        elif ev.kind == "text":
+            committed += shown
+            if not visual:
+                out.write(shown)
+                out.flush()
         elif ev.kind == "done":
             result = ev.result
-    if visual and result is not None:
+    if visual:
         if live:
             _redraw(out, "", drawn)
-        out.write(result.text if result.text is not None else " ".join(map(str, result.token_ids)))
+        out.write(committed)
     out.write("\n")
     if result is not None:
         s = result.stats

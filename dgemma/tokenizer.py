@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from dgemma.errors import CheckpointError, DgemmaError
+from dgemma.jsonfile import read_json  # noqa: F401 (also imported from here)
 
 
 class Tokenizer:
@@ -95,13 +95,3 @@ def _token_text(value: Any) -> str | None:
         return value.get("content")
     return value
 
-
-def read_json(path: Path) -> dict[str, Any]:
-    """An optional JSON object file of a checkpoint: {} when absent, a one-line error when broken."""
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: invalid JSON ({e})") from None
-    return data if isinstance(data, dict) else {}

@@ -21,7 +21,7 @@ def _setup(n=48, h=32, v=3000, seed=0):
 
 def test_statistics_match_reference():
     hidden, emb, inv_t, logits = _setup()
-    out = vocab_step(hidden, emb, 30.0, 32**0.5, inv_t, torch.rand(hidden.shape[0], num_uniforms(3000)))
+    out = vocab_step(hidden, emb, 30.0, 32**0.5, inv_t, torch.rand(hidden.shape[0], num_uniforms(3000, 2048)))
     assert torch.equal(out.argmax, logits.argmax(-1))
     ref_entropy = torch.distributions.Categorical(logits=logits).entropy()
     assert (out.entropy - ref_entropy).abs().max() < 1e-4
@@ -36,26 +36,22 @@ def test_statistics_match_reference():
     assert torch.equal(entropy_bound_accept(out.entropy[None], 2.0), sampler.accepted_token_mask)
 
 
-def test_many_chunks_give_the_same_statistics(monkeypatch):
-    import dgemma.sampling.fused as fused
-
+def test_many_chunks_give_the_same_statistics():
     hidden, emb, inv_t, logits = _setup(n=10)
-    monkeypatch.setattr(fused, "VOCAB_CHUNK", 128)  # 24 chunks, the last one partial
-    out = fused.vocab_step(hidden, emb, 30.0, 1.0, inv_t, torch.rand(10, fused.num_uniforms(3000)))
+    # 24 chunks, the last one partial
+    out = vocab_step(hidden, emb, 30.0, 1.0, inv_t, torch.rand(10, num_uniforms(3000, 128)), chunk=128)
     assert torch.equal(out.argmax, logits.argmax(-1))
     assert (out.entropy - torch.distributions.Categorical(logits=logits).entropy()).abs().max() < 1e-4
     assert (out.signal - torch.softmax(logits, -1) @ emb).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("chunk", [4096, 7])
-def test_samples_follow_the_softmax(monkeypatch, chunk):
+def test_samples_follow_the_softmax(chunk):
     """Chi-square: 4000 draws for one position against softmax(logits / T), in one chunk and across chunks."""
-    import dgemma.sampling.fused as fused
-
-    monkeypatch.setattr(fused, "VOCAB_CHUNK", chunk)
     hidden, emb, inv_t, logits = _setup(n=1, v=50, h=8, seed=3)
     n = 4000
-    out = fused.vocab_step(hidden.expand(n, -1), emb, 30.0, 1.0, inv_t.expand(n), torch.rand(n, fused.num_uniforms(50)))
+    u = torch.rand(n, num_uniforms(50, chunk))
+    out = vocab_step(hidden.expand(n, -1), emb, 30.0, 1.0, inv_t.expand(n), u, chunk=chunk)
     probs = torch.softmax(logits[0], -1)
     counts = torch.bincount(out.sample, minlength=50).float()
     expected = probs * n
@@ -66,14 +62,11 @@ def test_samples_follow_the_softmax(monkeypatch, chunk):
     assert counts[~keep].sum() <= expected[~keep].sum() + 4 * expected[~keep].sum().sqrt() + 5
 
 
-def test_sync_free_path_gives_the_same_step(monkeypatch):
+def test_sync_free_path_gives_the_same_step():
     """The accelerator path (every row updated each chunk, no host sync) computes exactly what the CPU path does."""
-    import dgemma.sampling.fused as fused
-
-    monkeypatch.setattr(fused, "VOCAB_CHUNK", 256)
     hidden, emb, inv_t, _ = _setup(n=40)
-    u = torch.rand(40, fused.num_uniforms(3000))
-    a = fused.vocab_step(hidden, emb, 30.0, 2.0, inv_t, u, sync_free=False)
-    b = fused.vocab_step(hidden, emb, 30.0, 2.0, inv_t, u, sync_free=True)
+    u = torch.rand(40, num_uniforms(3000, 256))
+    a = vocab_step(hidden, emb, 30.0, 2.0, inv_t, u, sync_free=False, chunk=256)
+    b = vocab_step(hidden, emb, 30.0, 2.0, inv_t, u, sync_free=True, chunk=256)
     for x, y in zip(a, b):
         assert torch.equal(x, y)

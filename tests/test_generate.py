@@ -22,7 +22,7 @@ def pair(request, tmp_path_factory):
 
 def _prompts(model, seed=3):
     g = torch.Generator().manual_seed(seed)
-    v = model.model.cfg.text.vocab_size
+    v = model.module.cfg.text.vocab_size
     return torch.randint(3, v, (7,), generator=g).tolist(), torch.randint(3, v, (4,), generator=g).tolist()
 
 
@@ -45,7 +45,7 @@ def test_reference_sampling_is_token_exact(pair, t_max):
     lengths over three canvases."""
     ref, model, _ = pair
     prompts = list(_prompts(model))
-    c = model.model.cfg.canvas_length
+    c = model.module.cfg.canvas_length
     kw = dict(max_new_tokens=3 * c, t_min=t_max / 2, t_max=t_max)
     expected, tpf = _reference_generate(ref, prompts, seed=5, **kw)
     got = model.generate(prompts, seed=5, sampling="reference", eos_token_ids=(1,), **kw)
@@ -58,7 +58,7 @@ def test_reference_sampling_is_token_exact(pair, t_max):
 def test_max_new_tokens_is_exact(pair):
     _, model, _ = pair
     prompt = _prompts(model)[0]
-    for n in (1, 3, model.model.cfg.canvas_length + 1):
+    for n in (1, 3, model.module.cfg.canvas_length + 1):
         r = model.generate(prompt, max_new_tokens=n, eos_token_ids=(), seed=1)
         assert len(r.token_ids) == n and r.finish_reason == "length"
 
@@ -72,7 +72,7 @@ def test_batch_independence_in_fast_mode(name, tmp_path):
     build_reference(name, tmp_path, spread=0.2, embed=10)
     model = dgemma.load(tmp_path)
     a, b = _prompts(model)
-    c = model.model.cfg.canvas_length
+    c = model.module.cfg.canvas_length
     kw = dict(max_new_tokens=2 * c + 1, seed=11, sampling="fast", t_min=0.05, t_max=0.1, max_denoising_steps=12)
     alone = model.generate(a, **kw)
     together = model.generate([b, a, b[:2]], **kw)
@@ -91,7 +91,7 @@ def test_prompts_prefilled_together_match_alone(name, tmp_path):
     a, _ = _prompts(model)
     prompts = [a, a[1:], a[:5] + a[:2]]  # lengths 7, 6, 7: one prefill group with one padded row
     assert len(prefill_groups([_FakeRequest(p) for p in prompts])) == 1
-    kw = dict(max_new_tokens=model.model.cfg.canvas_length + 3, seed=5, sampling="fast", t_min=0.05, t_max=0.1,
+    kw = dict(max_new_tokens=model.module.cfg.canvas_length + 3, seed=5, sampling="fast", t_min=0.05, t_max=0.1,
               max_denoising_steps=12)
     together = model.generate(prompts, **kw)
     for p, got in zip(prompts, together):
@@ -118,20 +118,20 @@ def test_prefill_groups_bound_padding():
 def test_last_step_skips_only_an_unread_signal(monkeypatch, pair):
     """The fast path skips the self-conditioning GEMM on a canvas's last step; computing it anyway changes
     nothing, so the skip never drops a signal a later step reads."""
-    import dgemma.engine.engine as engine
+    import dgemma.sampling.fused as fused
 
     _, model, _ = pair
     a, b = _prompts(model)
-    kw = dict(max_new_tokens=2 * model.model.cfg.canvas_length, seed=4, sampling="fast", max_denoising_steps=3)
+    kw = dict(max_new_tokens=2 * model.module.cfg.canvas_length, seed=4, sampling="fast", max_denoising_steps=3)
     skipped = [r.token_ids for r in model.generate([a, b], **kw)]
     calls = []
-    real = engine.vocab_step
+    real = fused.vocab_step
 
     def always(*args, want_signal=True, **kw2):
         calls.append(want_signal)
         return real(*args, want_signal=True, **kw2)
 
-    monkeypatch.setattr(engine, "vocab_step", always)
+    monkeypatch.setattr(fused, "vocab_step", always)
     assert [r.token_ids for r in model.generate([a, b], **kw)] == skipped
     assert False in calls and True in calls
 
@@ -151,16 +151,19 @@ def test_each_request_stops_on_its_own(pair):
 
 def test_streaming_drafts_and_commits(pair):
     _, model, _ = pair
-    c = model.model.cfg.canvas_length
+    c = model.module.cfg.canvas_length
     events = list(model.stream(_prompts(model)[0], seed=4, max_new_tokens=2 * c, eos_token_ids=()))
     kinds = [e.kind for e in events]
     assert kinds[-1] == "done" and kinds.count("done") == 1
     assert kinds.count("draft") >= 2 and kinds.count("text") == 2
     committed = [t for e in events if e.kind == "text" for t in e.token_ids]
     assert committed == events[-1].result.token_ids
-    # each draft shows the committed text so far plus the current canvas
-    first_commit = kinds.index("text")
-    assert all(len(e.token_ids) <= c for e in events[:first_commit] if e.kind == "draft")
+    # each draft is the current canvas alone, numbered by canvas and step
+    drafts = [e for e in events if e.kind == "draft"]
+    assert all(len(e.token_ids) <= c for e in drafts)
+    assert {e.canvas for e in drafts} == {0, 1} and all(e.step >= 1 for e in drafts)
+    last_of_first = [e for e in drafts if e.canvas == 0][-1]
+    assert last_of_first.token_ids == committed[:c]  # the last draft of a canvas is what it commits
 
 
 def test_autoregressive_greedy_matches_reference_argmax(pair):
@@ -233,9 +236,9 @@ def test_aborted_request_leaves_the_batch_mid_canvas(name, tmp_path):
     model = dgemma.load(tmp_path)
     a, b = _prompts(model)
     params = SamplingParams(max_new_tokens=4, seed=3, confidence_threshold=1e-30, eos_token_ids=())
-    alone = Engine(model.model, (), 0)
+    alone = Engine(model.module, (), 0)
     expected = alone.generate([b], params)[0].output
-    engine = Engine(model.model, (), 0)
+    engine = Engine(model.module, (), 0)
     ra, rb = engine.add_request(a, params), engine.add_request(b, params)
     engine.step()
     engine.step()
@@ -245,3 +248,31 @@ def test_aborted_request_leaves_the_batch_mid_canvas(name, tmp_path):
     for _ in engine.stream():
         pass
     assert ra.finish_reason == "abort" and rb.output == expected
+
+
+def test_cli_visual_redraws_the_canvas_on_a_terminal():
+    """--visual on a terminal redraws committed text + the current canvas in place, then prints the final text;
+    piped, it prints the final text alone. Both equal the API's text."""
+    import pty
+
+    args = ["generate", "It is a truth", "--max-new-tokens", "12", "--seed", "2", "--visual"]
+    expected = dgemma.load().generate("It is a truth", max_new_tokens=12, seed=2).text
+    piped = _cli(*args)
+    assert piped.returncode == 0 and piped.stdout == expected + "\n", piped.stderr
+    master, slave = pty.openpty()
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
+    proc = subprocess.Popen([sys.executable, "-m", "dgemma", *args], stdout=slave, stderr=subprocess.DEVNULL, env=env)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 4096)
+        except OSError:  # the terminal closed
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=120) == 0
+    shown = b"".join(chunks).decode()
+    assert shown.count("\x1b[J") >= 2  # redrawn in place at least twice
+    assert shown.replace("\r\n", "\n").endswith(expected + "\n")

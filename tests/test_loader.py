@@ -147,10 +147,31 @@ def test_errors(ckpt, tmp_path, case, error, message):
         load_model(d)
 
 
-def test_vision_weights_are_ignored_and_images_refused(ckpt):
-    names = load_file(ckpt / "model.safetensors").keys()
-    assert any("vision_tower" in n for n in names)
-    load_model(ckpt)  # no error
+def test_vision_weights_are_ignored(ckpt):
+    """The checkpoint's vision tower is skipped: no vision parameter in the model, every text weight loaded."""
+    stored = load_file(ckpt / "model.safetensors")
+    assert any("vision_tower" in n for n in stored)
+    model = load_model(ckpt)
+    names = [n for n, _ in model.named_parameters()]
+    assert names and not any("vision" in n for n in names)
+    embed = next(v for k, v in stored.items() if k.endswith("embed_tokens.weight") and "vision" not in k)
+    assert torch.equal(model.embed_tokens.weight, embed)
+
+
+def test_image_tokens_are_refused(ckpt, tmp_path):
+    """An image token inside the vocabulary (the tiny config's default id lies outside it) is refused as such."""
+    import dgemma
+    from dgemma.sampling import SamplingParamsError
+
+    d = _copy(ckpt, tmp_path / "img")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["image_token_id"] = 7
+    (d / "config.json").write_text(json.dumps(cfg))
+    model = dgemma.load(d)
+    assert model.generate([5, 6], max_new_tokens=2).token_ids
+    with pytest.raises(SamplingParamsError, match="image inputs are not supported") as err:
+        model.generate([5, 7, 6], max_new_tokens=2)
+    assert err.value.param == "prompt"
 
 
 def test_cli_error_is_one_line_and_nonzero(tmp_path):
@@ -167,3 +188,20 @@ def test_cli_info(ckpt):
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout.strip().splitlines()[-1])
     assert info["canvas_length"] == 5 and info["parameters"] > 0
+
+
+def test_bundled_model_first_run_is_clean():
+    """`dgemma generate` prints text and one stats line, no third-party warnings; the bundled checkpoint loads in
+    transformers with nothing missing and no warning (its vision tower lives in a second shard)."""
+    r = subprocess.run([sys.executable, "-m", "dgemma", "generate", "Once", "--max-new-tokens", "4", "--seed", "0"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip()
+    assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("[4 tokens"), r.stderr
+    code = ("import transformers\n"
+            "from dgemma.api import DEMO_MODEL\n"
+            "from transformers.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion as M\n"
+            "_, info = M.from_pretrained(DEMO_MODEL, output_loading_info=True)\n"
+            "assert not any(info.values()), info\n")
+    r = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "MISSING" not in r.stderr and "arn" not in r.stderr.replace("Loading weights", ""), r.stderr

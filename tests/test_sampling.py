@@ -10,7 +10,9 @@ from transformers.generation import EosTokenCriteria, LogitsProcessorList, Stopp
 from transformers.models.diffusion_gemma import generation_diffusion_gemma as hf
 
 from dgemma.sampling import (
+    Limits,
     SamplingParams,
+    SamplingParamsError,
     StableConfidentStopper,
     entropy_bound_accept,
     exponential_race,
@@ -21,7 +23,6 @@ from dgemma.sampling import (
     renoise,
     sample_next,
     stop_holdback,
-    temperature,
     temperature_schedule,
     token_entropy,
     truncate_at_stop_strings,
@@ -56,11 +57,10 @@ def test_temperature_matches_reference_schedule(n_steps):
     schedule = temperature_schedule(n_steps, 0.4, 0.8)
     assert schedule.shape == (n_steps,) and schedule.dtype == torch.float32
     for i, s in enumerate(range(n_steps, 0, -1)):
-        # Python step (processor called directly) vs the int32 tensor step that HF `generate` passes.
-        assert torch.equal(x / temperature(s, n_steps, 0.4, 0.8), proc(None, x, cur_step=s))
+        # the int32 tensor step that HF `generate` passes
         assert torch.equal(x / schedule[i], proc(None, x, cur_step=torch.tensor(s, dtype=torch.int32)))
-    assert temperature(n_steps, n_steps, 0.4, 0.8) == pytest.approx(0.8)
-    assert temperature(1, n_steps, 0.4, 0.8) == pytest.approx(0.4 + 0.4 / n_steps)
+    assert float(schedule[0]) == pytest.approx(0.8)
+    assert float(schedule[-1]) == pytest.approx(0.4 + 0.4 / n_steps)
 
 
 # ---------------------------------------------------------------- entropy and acceptance
@@ -260,18 +260,6 @@ def test_stopper_per_row_thresholds():
     assert torch.stack(seen).any(0).all() and not torch.stack(seen).all(0).any()
 
 
-def test_stopper_reset():
-    stopper = StableConfidentStopper(1, 0.5)
-    argmax, sharp = torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4)
-    assert not stopper.update(argmax, sharp).any()  # first step: compared with the -1 history
-    assert stopper.update(argmax, sharp).all()
-    stopper.reset(torch.tensor([True, False]))
-    assert stopper.update(argmax, sharp).tolist() == [False, True]
-    stopper.reset()
-    assert not stopper.update(argmax, sharp).any()
-    assert not stopper.update(argmax, torch.ones(2, 4)).any()  # stable but not confident
-
-
 def test_freeze_rows():
     old, new = torch.zeros(3, 2, 4), torch.ones(3, 2, 4)
     out = freeze_rows(torch.tensor([False, True, False]), old, new)
@@ -304,9 +292,9 @@ def test_finalize_canvas_matches_reference():
     canvas = torch.tensor(rows)
     before = torch.tensor([False] * 6 + [True, True])
     ref_canvas, ref_finished = hf_finalize(canvas, before)
-    padded, newly = finalize_canvas(canvas, EOS, 0, before)
-    assert torch.equal(padded, ref_canvas) and torch.equal(before | newly, ref_finished)
-    assert newly.tolist() == [False, True, True, True, True, True, False, False]
+    padded = finalize_canvas(canvas, EOS, 0, before)
+    assert torch.equal(padded, ref_canvas)
+    assert ref_finished.tolist() == [False, True, True, True, True, True, True, True]
     assert padded[2].tolist() == [5, 50, 0, 0, 0, 0, 0, 0] and padded[6].tolist() == [0] * C
     assert torch.equal(canvas, torch.tensor(rows))  # input untouched
     for seed in range(20):  # random canvases dense in EOS ids
@@ -315,8 +303,9 @@ def test_finalize_canvas_matches_reference():
         canvas[torch.rand(6, C, generator=g) < 0.6] = 7
         before = torch.rand(6, generator=g) < 0.3
         ref_canvas, ref_finished = hf_finalize(canvas, before)
-        padded, newly = finalize_canvas(canvas, torch.tensor(EOS), 0, before)
-        assert torch.equal(padded, ref_canvas) and torch.equal(before | newly, ref_finished)
+        assert torch.equal(finalize_canvas(canvas, torch.tensor(EOS), 0, before), ref_canvas)
+        per_row = torch.tensor([EOS] * 6)  # the same EOS ids given per row: the same padding
+        assert torch.equal(finalize_canvas(canvas, per_row, 0, before), ref_canvas)
 
 
 def test_stop_strings():
@@ -399,12 +388,13 @@ def test_params_replace():
     dict(t_min=-0.1), dict(t_max=0.0, t_min=0.0), dict(t_max=0.3), dict(t_max=float("inf")),
     dict(stability_threshold=-1), dict(stability_threshold=1.0), dict(confidence_threshold=0.0),
     dict(seed=-1), dict(seed=2**64), dict(stop=("ok", "")), dict(stop=(3,)), dict(eos_token_ids=(-1,)),
-    dict(eos_token_ids=("a",)), dict(mode="ar"), dict(sampling="greedy"), dict(ar_temperature=-1.0),
+    dict(eos_token_ids=("a",)), dict(ar_temperature=-1.0),
 ])
 def test_params_validation(bad):
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(SamplingParamsError) as err:
         SamplingParams(**bad)
-    assert "\n" not in str(err.value) and next(iter(bad)) in str(err.value)
+    name = next(iter(bad))
+    assert "\n" not in str(err.value) and name in str(err.value) and err.value.param == name
 
 
 def test_params_validate_against_model():
@@ -414,5 +404,16 @@ def test_params_validate_against_model():
         p.validate(vocab_size=100)
     with pytest.raises(ValueError, match="context"):
         p.validate(max_context=200, prompt_len=101)
-    SamplingParams(t_min=0.0, t_max=0.5, stability_threshold=0, mode="autoregressive", sampling="fast",
-                   ar_temperature=0.7, seed=0).validate(vocab_size=10)
+    SamplingParams(t_min=0.0, t_max=0.5, stability_threshold=0, ar_temperature=0.7, seed=0).validate(vocab_size=10)
+
+
+@pytest.mark.parametrize("limits, param", [
+    (Limits(max_prompt_tokens=9), "prompt"), (Limits(max_new_tokens=99), "max_new_tokens"),
+    (Limits(max_stop=1), "stop"), (Limits(max_stop_chars=2), "stop"),
+])
+def test_params_validate_deployment_limits(limits, param):
+    p = SamplingParams(max_new_tokens=100, stop=("abc", "d"))
+    p.validate(prompt_len=9, limits=Limits(9, 100, 2, 3))  # at the caps: accepted
+    with pytest.raises(SamplingParamsError) as err:
+        p.validate(prompt_len=10 if param == "prompt" else 9, limits=limits)
+    assert err.value.param == param

@@ -161,6 +161,25 @@ def test_drafts_are_ignored_by_the_client(client):
     assert [d["step"] for d in drafts if d["canvas"] == 0] == list(range(1, 1 + sum(d["canvas"] == 0 for d in drafts)))
 
 
+def test_autoregressive_mode_serves_the_apis_tokens(checkpoint):
+    """`dgemma serve --mode autoregressive`: the same engine interface and output path as the Python API, so the
+    served text equals `generate(mode="autoregressive")`, streamed or not, with stop strings applied."""
+    s = start_server(checkpoint, mode="autoregressive")
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        kw = dict(model="tiny", prompt="Hello world", max_tokens=12, temperature=0)
+        r = client.completions.create(**kw)
+        expected = dgemma.load(checkpoint).generate("Hello world", mode="autoregressive", max_new_tokens=12)
+        assert (r.choices[0].text, r.usage.completion_tokens) == (expected.text, 12)
+        streamed = list(client.completions.create(**kw, stream=True))
+        assert "".join(c.choices[0].text for c in streamed) == expected.text
+        stop = expected.text[4:6]
+        stopped = client.completions.create(**kw, stop=stop)
+        assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == (expected.text[:expected.text.index(stop)], "stop")
+    finally:
+        s.stop()
+
+
 # ---- concurrency -----------------------------------------------------------------------------------------------
 def test_outputs_do_not_depend_on_the_batch(server):
     """Low temperature keeps samples away from float ties (padding changes logits by rounding only)."""

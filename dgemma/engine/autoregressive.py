@@ -1,37 +1,63 @@
-"""Autoregressive decoding of the same weights: the encoder as a plain next-token model (one token per pass)."""
+"""Autoregressive decoding of the same weights: the encoder as a plain next-token model, one token per pass.
+Same interface and events as `Engine`, so the API and the server drive either; requests run one after
+another, one token per `step()`."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import torch
 
+from dgemma.cache import KVCache
 from dgemma.engine.request import Event, Request
+from dgemma.engine.runner import Runner
 from dgemma.model import DiffusionGemma
 from dgemma.sampling import sample_next
 
 
-@torch.inference_mode()
-def decode(model: DiffusionGemma, req: Request) -> Iterator[Event]:
-    """Greedy (ar_temperature 0) or sampled decoding; every token is committed as it is produced."""
-    req.stats.t_start = time.perf_counter()
-    cache = model.new_cache(1, len(req.prompt) + req.params.max_new_tokens + 1)
-    hidden = model.encode(torch.tensor([req.prompt], device=model.device), cache)
-    while not req.finished:
-        logits = model.head(hidden[:, -1])
-        token = int(sample_next(logits, req.params.ar_temperature, req.generator)[0])
+class AutoregressiveEngine(Runner):
+    def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...]):
+        super().__init__(model, eos_ids)
+        self.current: tuple[Request, KVCache, torch.Tensor] | None = None  # request, cache, last hidden [1, H]
+
+    def held(self) -> list[Request]:
+        return self.waiting + ([self.current[0]] if self.current else [])
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or self.current is not None
+
+    @property
+    def num_running(self) -> int:
+        return int(self.current is not None)
+
+    @torch.inference_mode()
+    def step(self) -> list[Event]:
+        """One token of the current request (starting the next waiting one first if none runs)."""
+        self.waiting = [r for r in self.waiting if not r.finished]
+        if self.current is None or self.current[0].finished:
+            self.current = self._start(self.waiting.pop(0)) if self.waiting else None
+        if self.current is None:
+            return []
+        req, cache, hidden = self.current
+        token = int(sample_next(self.model.head(hidden), req.params.ar_temperature, req.generator)[0])
         req.stats.decoder_passes += 1
         req.stats.t_first_commit = req.stats.t_first_commit or time.perf_counter()
+        events: list[Event] = []
         if token in req.eos:
-            reason = "stop"
+            req.finish("stop", events)
         else:
             req.output.append(token)
-            yield Event(req.id, "commit", [token])
-            reason = "length" if req.budget <= 0 else None
-        if reason:
-            req.finish_reason = reason
-            req.stats.t_end = time.perf_counter()
-            yield Event(req.id, "finish", finish_reason=reason)
-            return
-        hidden = model.encode(torch.tensor([[token]], device=model.device), cache)
+            events.append(Event(req.id, "commit", [token]))
+            if req.budget <= 0:
+                req.finish("length", events)
+        self.current = None if req.finished else (req, cache, self._encode([token], cache))
+        return events
+
+    def _start(self, req: Request) -> tuple[Request, KVCache, torch.Tensor]:
+        req.stats.t_start = time.perf_counter()
+        cache = self.model.new_cache(1, len(req.prompt) + req.params.max_new_tokens + 1)
+        return req, cache, self._encode(req.prompt, cache)
+
+    def _encode(self, ids: list[int], cache: KVCache) -> torch.Tensor:
+        """Append ids to the cache; the last position's hidden state [1, H]."""
+        return self.model.encode(torch.tensor([ids], device=self.model.device), cache)[:, -1]

@@ -54,10 +54,35 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def visible(self, ids: list[int]) -> list[int]:
+        """The part of a canvas this request shows: up to its first EOS and within its token budget."""
+        cut = next((i for i, t in enumerate(ids) if t in self.eos), len(ids))
+        return ids[:min(cut, self.budget)]
+
+    def commit(self, canvas: list[int], steps: int, events: list[Event]) -> None:
+        """Append a finished canvas's visible tokens; finish on EOS ("stop") or an exhausted budget ("length")."""
+        self.stats.steps_per_canvas.append(steps)
+        hit_eos = any(t in self.eos for t in canvas[:self.budget])
+        new = self.visible(canvas)
+        self.output.extend(new)
+        self.stats.t_first_commit = self.stats.t_first_commit or time.perf_counter()
+        events.append(Event(self.id, "commit", new))
+        if hit_eos:
+            self.stats.eos_tokens += 1
+            self.finish("stop", events)
+        elif self.budget <= 0:
+            self.finish("length", events)
+
+    def finish(self, reason: str, events: list[Event] | None = None) -> None:
+        self.finish_reason = reason
+        self.stats.t_end = time.perf_counter()
+        if events is not None:
+            events.append(Event(self.id, "finish", finish_reason=reason))
+
 
 @dataclass
 class Event:
-    """draft: committed ids + the current argmax canvas; commit: newly committed ids; finish: the request ended."""
+    """draft: the visible part of the current canvas; commit: newly committed ids; finish: the request ended."""
 
     request_id: str
     kind: Literal["draft", "commit", "finish"]

@@ -1,6 +1,6 @@
 """Sampling: per-request parameters, the denoising-step samplers, and stopping rules."""
 
-from dgemma.sampling.params import SamplingParams, SamplingParamsError
+from dgemma.sampling.params import MAX_SEED, Limits, SamplingParams, SamplingParamsError
 from dgemma.sampling.samplers import (
     StepOutput,
     entropy_bound_accept,
@@ -10,7 +10,6 @@ from dgemma.sampling.samplers import (
     reference_step,
     renoise,
     sample_next,
-    temperature,
     temperature_schedule,
     token_entropy,
 )
@@ -23,6 +22,8 @@ from dgemma.sampling.stopping import (
 )
 
 __all__ = [
+    "Limits",
+    "MAX_SEED",
     "SamplingParams",
     "SamplingParamsError",
     "StableConfidentStopper",
@@ -37,7 +38,6 @@ __all__ = [
     "renoise",
     "sample_next",
     "stop_holdback",
-    "temperature",
     "temperature_schedule",
     "token_entropy",
     "truncate_at_stop_strings",

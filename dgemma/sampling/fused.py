@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from dgemma.model.layers import gemm_dtype
+from dgemma.sampling.samplers import StepOutput, entropy_bound_accept, random_tokens, renoise
 
-VOCAB_CHUNK = 2048
 LOG2E = 1.0 / math.log(2.0)
 
 
@@ -30,92 +30,160 @@ class VocabStep(NamedTuple):
     signal: Tensor | None  # [N, H] soft embedding softmax(logits / T) @ E * sqrt(H), in E's dtype
 
 
-def num_uniforms(vocab_size: int) -> int:
+def vocab_chunk(device: torch.device) -> int:
+    """Vocabulary entries per chunk: small blocks that stay in a CPU's caches; on accelerators few large
+    blocks, so that a step is tens of kernel launches, not thousands."""
+    return 2048 if device.type == "cpu" else 65536
+
+
+def sync_free_default(device: torch.device) -> bool:
+    """Off the CPU a host read stalls the device's queue, so every row is updated each chunk instead."""
+    return device.type != "cpu"
+
+
+def num_uniforms(vocab_size: int, chunk: int) -> int:
     """Uniforms per position that `vocab_step` consumes (two per vocabulary chunk)."""
-    return 2 * math.ceil(vocab_size / VOCAB_CHUNK)
+    return 2 * math.ceil(vocab_size / chunk)
 
 
 class _Buffers:
     """The per-chunk blocks, allocated once per step: logits in the GEMM dtype, float32 scores and
     probabilities, and the probabilities again in the GEMM dtype for the soft-embedding GEMM."""
 
-    def __init__(self, n: int, width: int, hidden: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, n: int, width: int, hidden: int, dtype: torch.dtype, device: torch.device, softcap: float):
         f32 = dict(dtype=torch.float32, device=device)
+        self.softcap = softcap
         self.score = torch.empty(n, width, **f32)
         self.logits = self.score if dtype == torch.float32 else torch.empty(n, width, dtype=dtype, device=device)
         self.prob = torch.empty(n, width, **f32)
         self.prob_mm = self.prob if dtype == torch.float32 else torch.empty(n, width, dtype=dtype, device=device)
         self.part = torch.empty(n, hidden, dtype=dtype, device=device)
 
+    def squashed(self, x: Tensor, block: Tensor) -> Tensor:
+        """sigmoid(2 x.block / softcap) for a chunk, in the float32 score buffer [n, w]."""
+        w = block.shape[0]
+        torch.mm(x, block.T, out=self.logits[:, :w])
+        if self.logits is not self.score:
+            self.score[:, :w].copy_(self.logits[:, :w])
+        return self.score[:, :w].mul_(2 / self.softcap).sigmoid_()
+
+    def soft_part(self, p: Tensor, block: Tensor) -> Tensor:
+        """p @ block for the soft embedding, in the GEMM dtype."""
+        w = block.shape[0]
+        if self.prob_mm is not self.prob:
+            self.prob_mm[:, :w].copy_(p)
+        return torch.mm(self.prob_mm[:, :w], block, out=self.part)
+
+
+class _Running:
+    """Online statistics over vocabulary chunks (flash-attention style, rescaled to the running peak):
+    argmax, normaliser, entropy moment, soft embedding, and a weighted-reservoir sample."""
+
+    def __init__(self, n: int, hidden: int, device: torch.device, sync_free: bool):
+        f32 = dict(dtype=torch.float32, device=device)
+        self.sync_free = sync_free
+        self.peak = torch.full((n,), -math.inf, **f32)  # running max of the base-2 scores
+        self.mass = torch.zeros(n, **f32)  # sum of 2^(s - peak)
+        self.moment = torch.zeros(n, **f32)  # sum of 2^(s - peak) * (s - peak)
+        self.soft = torch.zeros(n, hidden, **f32)
+        self.best = torch.full((n,), -math.inf, **f32)
+        self.argmax = torch.zeros(n, dtype=torch.long, device=device)
+        self.sample = torch.zeros_like(self.argmax)
+
+    def update_argmax(self, squashed: Tensor, lo: int) -> Tensor:
+        """Track the argmax (squashing is monotonic); returns the chunk's row maxima."""
+        top = squashed.amax(dim=-1)
+        better = top > self.best
+        if self.sync_free:
+            self.argmax = torch.where(better, squashed.argmax(-1) + lo, self.argmax)
+        elif bool(better.any()):  # a new row maximum: rare after the first chunks, so argmax runs on few rows
+            rows = better.nonzero().squeeze(1)
+            self.argmax[rows] = squashed[rows].argmax(-1) + lo
+        self.best = torch.maximum(self.best, top)
+        return top
+
+    def update_mass(self, s: Tensor, p: Tensor, new_peak: Tensor) -> Tensor:
+        """s: base-2 scores minus the new peak (overwritten), p = 2^s; returns the chunk's mass and rescales the
+        running sums: sum p (s - m') = decay * (M + (m - m') S)."""
+        decay = torch.exp2(self.peak - new_peak)
+        chunk_mass = p.sum(-1)
+        dot = s.mul_(p).sum(-1)
+        self.moment = decay * (self.moment + torch.nan_to_num(self.peak - new_peak) * self.mass) + dot
+        self.mass = self.mass * decay + chunk_mass
+        self.decay, self.peak = decay, new_peak
+        return chunk_mass
+
+    def update_sample(self, p: Tensor, chunk_mass: Tensor, u_pick: Tensor, u_take: Tensor, lo: int) -> None:
+        """The chunk replaces the sample with probability chunk_mass / mass; only the rows it replaces need the
+        candidate (an inverse-CDF draw inside the chunk)."""
+        take = u_take * self.mass < chunk_mass
+        if self.sync_free:
+            self.sample = torch.where(take, _inverse_cdf(p, u_pick, chunk_mass) + lo, self.sample)
+        elif bool(take.any()):
+            rows = take.nonzero().squeeze(1)
+            self.sample[rows] = _inverse_cdf(p[rows], u_pick[rows], chunk_mass[rows]) + lo
+
 
 def vocab_step(hidden: Tensor, embedding: Tensor, softcap: float, embed_scale: float, inv_temp: Tensor,
-               uniforms: Tensor, want_signal: bool = True, sync_free: bool | None = None) -> VocabStep:
-    """hidden [N, H] (final-normed), embedding [V, H], inv_temp [N], uniforms [N, num_uniforms(V)] in [0, 1).
+               uniforms: Tensor, want_signal: bool = True, sync_free: bool | None = None,
+               chunk: int | None = None) -> VocabStep:
+    """hidden [N, H] (final-normed), embedding [V, H], inv_temp [N], uniforms [N, num_uniforms(V, chunk)] in
+    [0, 1); chunk defaults to `vocab_chunk(device)`.
     `want_signal=False` skips the soft embedding (half the GEMM work) when no later step will read it.
     `sync_free` (default: off the CPU) updates every row each chunk instead of asking the host which rows
     changed: more arithmetic, no device-to-host synchronisation."""
-    n, v = hidden.shape[0], embedding.shape[0]
-    device = hidden.device
-    sync_free = device.type != "cpu" if sync_free is None else sync_free
-    f32 = dict(dtype=torch.float32, device=device)
+    n, v, device = hidden.shape[0], embedding.shape[0], hidden.device
+    chunk = chunk or vocab_chunk(device)
     mm_dtype = gemm_dtype(embedding)
-    buf = _Buffers(n, min(VOCAB_CHUNK, v), embedding.shape[1], mm_dtype, device)
+    buf = _Buffers(n, min(chunk, v), embedding.shape[1], mm_dtype, device, softcap)
+    run = _Running(n, embedding.shape[1], device, sync_free_default(device) if sync_free is None else sync_free)
     x = hidden.to(mm_dtype)
-    peak = torch.full((n,), -math.inf, **f32)  # running max of the base-2 scores
-    mass = torch.zeros(n, **f32)  # sum of 2^(s - peak)
-    moment = torch.zeros(n, **f32)  # sum of 2^(s - peak) * (s - peak)
-    soft = torch.zeros(n, embedding.shape[1], **f32)
-    best = torch.full((n,), -math.inf, **f32)
-    argmax = torch.zeros(n, dtype=torch.long, device=device)
-    sample = torch.zeros_like(argmax)
     # softcap * tanh(x / softcap) / T in base 2, as scale * sigmoid(2x / softcap) - shift: sigmoid is much faster
     scale = (2 * softcap * LOG2E * inv_temp)[:, None]
     shift = (softcap * LOG2E * inv_temp)[:, None]
-    for k, lo in enumerate(range(0, v, VOCAB_CHUNK)):
-        chunk = embedding[lo:lo + VOCAB_CHUNK].to(mm_dtype)
-        w = chunk.shape[0]
-        s, p = buf.score[:, :w], buf.prob[:, :w]
-        torch.mm(x, chunk.T, out=buf.logits[:, :w])
-        if buf.logits is not buf.score:
-            s.copy_(buf.logits[:, :w])
-        s.mul_(2 / softcap).sigmoid_()
-        top = s.amax(dim=-1)
-        better = top > best
-        if sync_free:
-            argmax = torch.where(better, s.argmax(-1) + lo, argmax)
-        elif bool(better.any()):  # a new row maximum: rare after the first chunks, so argmax runs on few rows
-            rows = better.nonzero().squeeze(1)
-            argmax[rows] = s[rows].argmax(-1) + lo
-        best = torch.maximum(best, top)
-        new_peak = torch.maximum(peak, (top[:, None] * scale - shift).squeeze(1))
-        decay = torch.exp2(peak - new_peak)
+    for k, lo in enumerate(range(0, v, chunk)):
+        block = embedding[lo:lo + chunk].to(mm_dtype)
+        s = buf.squashed(x, block)
+        top = run.update_argmax(s, lo)
+        new_peak = torch.maximum(run.peak, (top[:, None] * scale - shift).squeeze(1))
         s.mul_(scale).sub_(shift + new_peak[:, None])  # s - peak <= 0
-        torch.exp2(s, out=p)
-        chunk_mass = p.sum(-1)
-        dot = s.mul_(p).sum(-1)  # row-wise sum p * (s - peak); s is not needed after this
-        # rescale the running sums to the new peak: sum p (s - m') = decay * (M + (m - m') S)
-        moment = decay * (moment + torch.nan_to_num(peak - new_peak) * mass) + dot
-        mass = mass * decay + chunk_mass
+        p = torch.exp2(s, out=buf.prob[:, :block.shape[0]])
+        chunk_mass = run.update_mass(s, p, new_peak)  # s is not needed after this
         if want_signal:
-            if buf.prob_mm is not buf.prob:
-                buf.prob_mm[:, :w].copy_(p)
-            torch.mm(buf.prob_mm[:, :w], chunk, out=buf.part)
-            soft.mul_(decay[:, None]).add_(buf.part)
-        # weighted reservoir: the chunk replaces the sample with probability chunk_mass / mass, and only the
-        # rows it replaces need the candidate (an inverse-CDF draw inside the chunk)
-        take = uniforms[:, 2 * k + 1] * mass < chunk_mass
-        if sync_free:
-            sample = torch.where(take, _inverse_cdf(p, uniforms[:, 2 * k], chunk_mass) + lo, sample)
-        elif bool(take.any()):
-            rows = take.nonzero().squeeze(1)
-            sample[rows] = _inverse_cdf(p[rows], uniforms[rows, 2 * k], chunk_mass[rows]) + lo
-        peak = new_peak
-    entropy = (torch.log2(mass) - moment / mass) / LOG2E
-    signal = (soft / mass[:, None] * embed_scale).to(embedding.dtype) if want_signal else None
-    return VocabStep(argmax, sample, entropy, signal)
+            run.soft.mul_(run.decay[:, None]).add_(buf.soft_part(p, block))
+        run.update_sample(p, chunk_mass, uniforms[:, 2 * k], uniforms[:, 2 * k + 1], lo)
+    entropy = (torch.log2(run.mass) - run.moment / run.mass) / LOG2E
+    signal = (run.soft / run.mass[:, None] * embed_scale).to(embedding.dtype) if want_signal else None
+    return VocabStep(run.argmax, run.sample, entropy, signal)
 
 
 def _inverse_cdf(p: Tensor, u: Tensor, total: Tensor) -> Tensor:
     """Per row, the index where the running sum of p [R, W] first exceeds u * total."""
     cdf = p.cumsum(-1)
     return torch.searchsorted(cdf, (u * total)[:, None], right=True).squeeze(1).clamp_(max=p.shape[1] - 1)
+
+
+def fast_step(hidden: Tensor, embedding: Tensor, softcap: float, embed_scale: float, inv_temp: Tensor,
+              entropy_bound: Tensor, generators: list[torch.Generator], frozen: list[bool],
+              want_signal: bool) -> tuple[StepOutput, Tensor | None]:
+    """The fast denoising step for hidden [B, C, H]: `vocab_step`, entropy-bound acceptance, renoising; returns
+    the step and the self-conditioning signal [B, C, H] (None when not wanted). Each row draws from its own
+    generator (uniforms, then renoise tokens); frozen rows draw nothing, so a row's random stream does not
+    depend on how long the rest of the batch runs. inv_temp, entropy_bound: [B]."""
+    bsz, c, h = hidden.shape
+    vocab, device = embedding.shape[0], hidden.device
+    chunk = vocab_chunk(device)
+    uniforms = torch.zeros(bsz, c, num_uniforms(vocab, chunk), device=device)
+    noise = torch.zeros(bsz, c, dtype=torch.long, device=device)
+    live = [i for i, f in enumerate(frozen) if not f]
+    for i in live:
+        uniforms[i] = torch.rand(uniforms.shape[1:], generator=generators[i], device=device)
+    out = vocab_step(hidden.reshape(-1, h), embedding, softcap, embed_scale, inv_temp.repeat_interleave(c),
+                     uniforms.flatten(0, 1), want_signal=want_signal, chunk=chunk)
+    entropy = out.entropy.view(bsz, c)
+    accept = entropy_bound_accept(entropy, entropy_bound[:, None])
+    for i in live:
+        noise[i] = random_tokens((c,), vocab, device, generators[i])
+    canvas = renoise(out.sample.view(bsz, c), accept, noise)
+    signal = None if out.signal is None else out.signal.view(bsz, c, h)
+    return StepOutput(canvas, out.argmax.view(bsz, c), accept, entropy), signal

@@ -12,12 +12,26 @@ from dgemma.errors import ConfigError
 
 MAX_NEW_TOKENS = 1_000_000
 MAX_DENOISING_STEPS = 10_000
-MODES = ("diffusion", "autoregressive")
-SAMPLINGS = ("reference", "fast")
+MAX_SEED = 2**64 - 1
 
 
 class SamplingParamsError(ConfigError, ValueError):
-    """A sampling parameter is out of range (a ValueError for callers, a ConfigError for the CLI/server)."""
+    """A request parameter is out of range (a ValueError for callers, a ConfigError for the CLI/server).
+    `param` names it (`prompt`, `max_new_tokens`, `stop`, ...) so the server can point at the field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps a deployment puts on requests (the server's flags); None: only the model's own limits."""
+
+    max_prompt_tokens: int | None = None
+    max_new_tokens: int | None = None
+    max_stop: int | None = None
+    max_stop_chars: int | None = None
 
 
 @dataclass(frozen=True)
@@ -38,8 +52,6 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] | None = None  # None: the model's
-    mode: str = "diffusion"  # "diffusion" | "autoregressive"
-    sampling: str = "fast"  # "fast" (fused, per-request RNG) | "reference" (HF draw for draw)
     ar_temperature: float = 0.0  # autoregressive mode only; 0 is greedy
 
     def __post_init__(self) -> None:
@@ -63,30 +75,33 @@ class SamplingParams:
         _positive("t_max", self.t_max)
         _non_negative("ar_temperature", self.ar_temperature)
         if self.t_max < self.t_min:
-            _fail(f"t_max={self.t_max} must be >= t_min={self.t_min}")
+            _fail(f"t_max={self.t_max} must be >= t_min={self.t_min}", "t_max")
         if self.seed is not None:
-            _int_in("seed", self.seed, 0, 2**64 - 1)
+            _int_in("seed", self.seed, 0, MAX_SEED)
         if not all(isinstance(s, str) and s for s in self.stop):
-            _fail(f"stop={self.stop!r} must be non-empty strings")
+            _fail(f"stop={self.stop!r} must be non-empty strings", "stop")
         if self.eos_token_ids is not None and not all(_is_int(i) and i >= 0 for i in self.eos_token_ids):
-            _fail(f"eos_token_ids={self.eos_token_ids!r} must be non-negative integers")
-        if self.mode not in MODES:
-            _fail(f"mode={self.mode!r} must be one of {', '.join(MODES)}")
-        if self.sampling not in SAMPLINGS:
-            _fail(f"sampling={self.sampling!r} must be one of {', '.join(SAMPLINGS)}")
+            _fail(f"eos_token_ids={self.eos_token_ids!r} must be non-negative integers", "eos_token_ids")
 
-    def validate(self, vocab_size: int | None = None, max_context: int | None = None, prompt_len: int = 0) -> None:
-        """Checks that need the model: eos ids inside the vocabulary, prompt + output inside the context."""
+    def validate(self, vocab_size: int | None = None, max_context: int | None = None, prompt_len: int = 0,
+                 limits: Limits = Limits()) -> None:
+        """Checks that need the model or the deployment: eos ids inside the vocabulary, prompt + output inside
+        the context, and the deployment's caps."""
         if vocab_size is not None and self.eos_token_ids and max(self.eos_token_ids) >= vocab_size:
-            _fail(f"eos_token_ids={self.eos_token_ids!r} outside the vocabulary (size {vocab_size})")
+            _fail(f"eos_token_ids={self.eos_token_ids!r} outside the vocabulary (size {vocab_size})", "eos_token_ids")
+        _cap("prompt", prompt_len, limits.max_prompt_tokens, "the prompt has {} tokens; at most {} are allowed")
+        _cap("max_new_tokens", self.max_new_tokens, limits.max_new_tokens, "max_new_tokens ({}) exceeds the limit ({})")
+        _cap("stop", len(self.stop), limits.max_stop, "{} stop strings; at most {} are allowed")
+        for s in self.stop:
+            _cap("stop", len(s), limits.max_stop_chars, "a stop string has {} characters; at most {} are allowed")
         if max_context is not None and prompt_len + self.max_new_tokens > max_context:
             _fail(f"prompt ({prompt_len} tokens) + max_new_tokens ({self.max_new_tokens}) exceeds the context "
-                  f"({max_context})")
+                  f"({max_context} tokens)", "max_new_tokens")
 
     def replace(self, **overrides: Any) -> SamplingParams:
         """A copy with `overrides` applied; None values mean "keep" (request fields left unset)."""
         if unknown := overrides.keys() - {f.name for f in dataclasses.fields(self)}:
-            _fail(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+            _fail(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}", sorted(unknown)[0])
         return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
     @classmethod
@@ -105,8 +120,13 @@ class SamplingParams:
         )
 
 
-def _fail(message: str) -> None:
-    raise SamplingParamsError(message)
+def _fail(message: str, param: str) -> None:
+    raise SamplingParamsError(message, param)
+
+
+def _cap(param: str, value: int, cap: int | None, message: str) -> None:
+    if cap is not None and value > cap:
+        _fail(message.format(value, cap), param)
 
 
 def _is_int(x: Any) -> bool:
@@ -120,14 +140,14 @@ def _is_real(x: Any) -> bool:
 def _int_in(name: str, value: Any, lo: int, hi: int | None) -> None:
     if not _is_int(value) or value < lo or (hi is not None and value > hi):
         bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        _fail(f"{name}={value!r} must be an integer {bound}")
+        _fail(f"{name}={value!r} must be an integer {bound}", name)
 
 
 def _positive(name: str, value: Any) -> None:
     if not _is_real(value) or value <= 0:
-        _fail(f"{name}={value!r} must be a finite number > 0")
+        _fail(f"{name}={value!r} must be a finite number > 0", name)
 
 
 def _non_negative(name: str, value: Any) -> None:
     if not _is_real(value) or value < 0:
-        _fail(f"{name}={value!r} must be a finite number >= 0")
+        _fail(f"{name}={value!r} must be a finite number >= 0", name)

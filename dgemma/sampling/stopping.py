@@ -32,13 +32,6 @@ class StableConfidentStopper:
         self._prev: Tensor | None = None  # [B, C] argmax of the previous step
         self._run: Tensor | None = None  # [B] consecutive steps with an unchanged argmax
 
-    def reset(self, rows: Tensor | None = None) -> None:
-        """Forget the history: of every row (a new canvas), or of the rows in a bool mask [B]."""
-        if rows is None or self._prev is None:
-            self._prev = self._run = None
-        else:
-            self._prev.masked_fill_(rows[:, None], -1)  # the next step then restarts the run at 0
-
     def select(self, rows: Tensor) -> None:
         """Keep only these batch rows (index tensor), e.g. when aborted requests leave mid-canvas."""
         if self._prev is not None:
@@ -66,17 +59,16 @@ class StableConfidentStopper:
         return self._run >= self.stability_threshold
 
 
-def finalize_canvas(canvas: Tensor, eos_ids: Tensor | Sequence[int], pad_id: int,
-                    finished_before: Tensor) -> tuple[Tensor, Tensor]:
+def finalize_canvas(canvas: Tensor, eos_ids: Tensor | Sequence[int], pad_id: int, finished: Tensor) -> Tensor:
     """Pad a finished canvas [B, C] like HF `_finalize_canvas`: rows finished in an earlier canvas become
-    all pad; in the others every token after the first EOS becomes pad (the EOS stays).
-    Returns (padded canvas, newly_finished [B]: has an EOS and was not finished before)."""
+    all pad; in the others every token after the first EOS becomes pad (the EOS stays). eos_ids: [E] for
+    every row, or [B, E] per row (padded with -1)."""
     eos = torch.as_tensor(eos_ids, dtype=torch.long, device=canvas.device)
-    is_eos = torch.isin(canvas, eos)
+    eos = eos.view(1, -1) if eos.dim() == 1 else eos
+    is_eos = (canvas[:, :, None] == eos[:, None, :]).any(-1)
     seen = is_eos.cumsum(-1)
     after_first = (seen > 0) & ~((seen == 1) & is_eos)
-    padded = canvas.masked_fill(after_first | finished_before[:, None], pad_id)
-    return padded, is_eos.any(-1) & ~finished_before
+    return canvas.masked_fill(after_first | finished[:, None], pad_id)
 
 
 def truncate_at_stop_strings(text: str, stops: Sequence[str]) -> tuple[str, bool]:

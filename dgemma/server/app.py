@@ -18,7 +18,6 @@ from dgemma import __version__
 from dgemma.api import Model
 from dgemma.server import errors, security
 from dgemma.server.config import ServerConfig
-from dgemma.server.errors import bad_request
 from dgemma.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -99,10 +98,8 @@ def _routes(api: APIRouter, service: Service) -> None:
     @api.post("/v1/completions", response_model=None,
               responses=_responses(CompletionResponse, 400, 401, 404, 413, 429, 503, stream=True))
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        prompt = body.prompt
-        if not prompt:
-            raise bad_request("prompt must not be empty", "prompt")
-        prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else list(prompt)
+        prompt = body.prompt  # a text or an id list is one prompt ([] too: refused as empty with the others)
+        prompts = [prompt] if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else list(prompt)
         generation = await service.generate(body, prompts, "prompt", "cmpl")
         return await _respond(generation, body, request, chat=False)
 
@@ -112,6 +109,10 @@ def _routes(api: APIRouter, service: Service) -> None:
         generation = await service.generate(body, [body.chat()], "messages", "chatcmpl")
         return await _respond(generation, body, request, chat=True)
 
+    _metrics_route(api, service)
+
+
+def _metrics_route(api: APIRouter, service: Service) -> None:
     @api.get("/metrics", response_class=PlainTextResponse, responses=_responses(None, 401))
     async def metrics() -> PlainTextResponse:
         """Prometheus text format."""

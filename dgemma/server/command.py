@@ -22,6 +22,8 @@ KEY_ENV = "DGEMMA_API_KEY"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_options(p)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--mode", choices=["diffusion", "autoregressive"], default="diffusion",
+                   help="decode by block diffusion (default) or autoregressively with the encoder")
     p.add_argument("--served-model-name", help="model id clients send (default: the directory's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port, printed at start)")
@@ -53,7 +55,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_concurrency=args.max_concurrency, max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
         max_tokens=args.max_tokens, max_n=args.max_n, max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
         max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
-        cors_origins=tuple(args.cors_origin), allowed_hosts=tuple(args.allowed_host))
+        cors_origins=tuple(args.cors_origin), allowed_hosts=tuple(args.allowed_host), mode=args.mode)
 
 
 def run(args: argparse.Namespace) -> int:

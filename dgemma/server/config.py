@@ -6,6 +6,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from dgemma.errors import ConfigError
+from dgemma.sampling.params import Limits
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
@@ -26,6 +27,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0  # after SIGTERM, in-flight requests get this long before they are aborted
     cors_origins: tuple[str, ...] = ()  # empty: no CORS headers at all
     allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides the loopback names (loopback binds only)
+    mode: str = "diffusion"  # or "autoregressive": the encoder as a next-token model
 
     def __post_init__(self) -> None:
         for name in ("max_concurrency", "max_n", "max_stop", "max_stop_chars", "max_body_bytes"):
@@ -43,6 +45,13 @@ class ServerConfig:
             raise ConfigError("--shutdown-timeout must be >= 0")
         if any(not k for k in self.api_keys):
             raise ConfigError("--api-key must not be empty")
+        if self.mode not in ("diffusion", "autoregressive"):
+            raise ConfigError(f"--mode {self.mode!r} must be diffusion or autoregressive")
+
+    @property
+    def limits(self) -> Limits:
+        """The request caps, for the one request validator (SamplingParams.validate)."""
+        return Limits(self.max_prompt_tokens, self.max_tokens, self.max_stop, self.max_stop_chars)
 
     @property
     def capacity(self) -> int:

@@ -8,9 +8,6 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
 
-MAX_SEED = 2**64 - 1
-
-
 def _valid_text(value: Any) -> Any:
     if isinstance(value, str):
         try:
@@ -63,7 +60,7 @@ class OpenAIRequest(_Strict):
         "denoising temperature schedule from T down to T/2; T < 0.001 (0 included): near-greedy, and without a "
         "seed the seed is 0; omitted: the checkpoint's schedule"))
     top_p: float | None = Field(None, gt=0, le=1, description="accepted for compatibility; has no effect")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="same seed, same output")
+    seed: int | None = Field(None, description="same seed, same output (0 to 2^64 - 1)")
     presence_penalty: float | None = Field(None, ge=-2, le=2, description="only 0 is supported")
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="only 0 is supported")
     logit_bias: dict[str, float] | None = Field(None, description="only an empty map is supported")

@@ -1,6 +1,7 @@
-"""Between the routes and the engine thread: readiness, admission, OpenAI options -> per-choice SamplingParams,
-and `Generation`, which turns one request's engine events into text deltas, drafts and finish reasons (through
-`TextStream`, as `Model.stream` does) and records its latencies."""
+"""Between the routes and the engine thread: readiness, admission, OpenAI options -> per-choice SamplingParams
+(validated by SamplingParams, whose errors become 400s naming the OpenAI field), and `Generation`, which turns
+one request's engine events into text deltas, drafts and finish reasons (through `OutputStream`, as the Python
+API does) and records its latencies."""
 
 from __future__ import annotations
 
@@ -14,15 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from dgemma.api import Model
-from dgemma.engine import Engine, Event
+from dgemma.engine import Event, OutputStream, StreamEvent
 from dgemma.errors import DgemmaError
-from dgemma.sampling import SamplingParams
+from dgemma.sampling import MAX_SEED, SamplingParams, SamplingParamsError
 from dgemma.server.config import ServerConfig
 from dgemma.server.errors import ApiError, bad_request, unsupported
 from dgemma.server.metrics import Metrics
-from dgemma.server.protocol import MAX_SEED, OpenAIRequest
+from dgemma.server.protocol import OpenAIRequest
 from dgemma.server.worker import Job, Sink, Worker
-from dgemma.textstream import TextStream
 
 log = logging.getLogger("dgemma.server")
 GREEDY_T = 1e-3  # temperatures below this (0 included) -> a near-greedy schedule from 1e-3 down to 5e-4
@@ -79,8 +79,7 @@ class Service:
             model = self._loader()
             if model.tokenizer is None:
                 raise DgemmaError(f"{model.directory}: the server needs a tokenizer (tokenizer.json)")
-            eos = model.defaults.eos_token_ids or ()
-            worker = Worker(lambda: Engine(model.model, eos, model.pad_id, "fast", self.config.max_concurrency),
+            worker = Worker(lambda: model.runner(self.config.mode, "fast", self.config.max_concurrency),
                             self.metrics)
             worker.start()
         except Exception as e:
@@ -138,31 +137,18 @@ class Service:
             raise bad_request("stream_options needs stream=true", "stream_options")
         if body.dgemma_drafts and not body.stream:
             raise bad_request("dgemma_drafts needs stream=true", "dgemma_drafts")
-        stops = self._stops(body.stop)
         choices = body.n * len(prompts)
         if choices > self.config.max_n:
             raise bad_request(f"n x prompts = {choices} choices; this server allows at most {self.config.max_n} "
                               "per request", "n")
         lease = self._admit(choices)
         try:
-            plans, prompt_tokens = await self._plan(body, prompts, param, stops)
+            plans, prompt_tokens = await self._plan(body, prompts, param)
             return Generation(self, f"{id_prefix}-{uuid.uuid4().hex}", plans, prompt_tokens, body.dgemma_drafts,
                               lease, t_arrival)
         except BaseException:
             lease.release()
             raise
-
-    def _stops(self, stop: str | list[str] | None) -> tuple[str, ...]:
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if len(stops) > self.config.max_stop:
-            raise bad_request(f"{len(stops)} stop strings; this server allows at most {self.config.max_stop}", "stop")
-        for s in stops:
-            if not s:
-                raise bad_request("stop strings must not be empty", "stop")
-            if len(s) > self.config.max_stop_chars:
-                raise bad_request(f"a stop string has {len(s)} characters; this server allows at most "
-                                  f"{self.config.max_stop_chars}", "stop")
-        return stops
 
     def _admit(self, choices: int) -> Lease:
         if self.in_use + choices > self.config.capacity:
@@ -173,52 +159,40 @@ class Service:
         self.in_use += choices
         return Lease(self, choices)
 
-    async def _plan(self, body: OpenAIRequest, prompts: list[Any], param: str,
-                    stops: tuple[str, ...]) -> tuple[list[Plan], int]:
-        model = self.model
+    async def _plan(self, body: OpenAIRequest, prompts: list[Any], param: str) -> tuple[list[Plan], int]:
+        """One Plan per choice; every check is SamplingParams' (through `Model.check_request`)."""
         plans, prompt_tokens = [], 0
-        max_tokens, tokens_param = body.max_tokens, "max_tokens"
-        if getattr(body, "max_completion_tokens", None) is not None:
-            max_tokens, tokens_param = body.max_completion_tokens, "max_completion_tokens"
+        tokens_param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+        names = {"prompt": param, "max_new_tokens": tokens_param}
         for prompt in prompts:
             try:
-                ids = await asyncio.to_thread(model.encode_prompt, prompt)
+                ids = await asyncio.to_thread(self.model.encode_prompt, prompt)
+                plans += [Plan(ids, p) for p in self._choice_params(body, ids)]
+            except SamplingParamsError as e:  # max_new_tokens is named as the client named it
+                message = str(e).replace("max_new_tokens", tokens_param)
+                raise bad_request(message, names.get(e.param, e.param)) from None
             except DgemmaError as e:
                 raise bad_request(str(e), param) from None
-            limit = self.config.max_prompt_tokens
-            if limit is not None and len(ids) > limit:
-                raise bad_request(f"the prompt has {len(ids)} tokens; this server allows at most {limit}", param)
-            new = self._max_new_tokens(max_tokens, len(ids), param, tokens_param)
-            # The starting canvas and the renoising are random even when sampling is near-greedy: seed 0 makes
-            # temperature 0 reproducible.
-            greedy = body.temperature is not None and body.temperature < GREEDY_T
-            base = 0 if body.seed is None and greedy else body.seed
-            for i in range(body.n):
-                seed = None if base is None else (base + i) % (MAX_SEED + 1)
-                try:
-                    params = model.params(max_new_tokens=new, seed=seed, stop=stops, sampling="fast",
-                                          **schedule(body.temperature))
-                    model.check_request(ids, params)
-                except DgemmaError as e:
-                    raise bad_request(str(e)) from None
-                plans.append(Plan(ids, params))
             prompt_tokens += len(ids)
         return plans, prompt_tokens
 
-    def _max_new_tokens(self, requested: int | None, prompt_len: int, param: str, tokens_param: str) -> int:
-        context, cap = self.model.max_context, self.config.max_tokens
-        if requested is None:
-            room = context - prompt_len
-            if room < 1:
-                raise bad_request(f"the prompt ({prompt_len} tokens) fills the model's context ({context} tokens)",
-                                  param)
-            return min(self.model.defaults.max_new_tokens, room, cap or room)
-        if cap is not None and requested > cap:
-            raise bad_request(f"{tokens_param} ({requested}) exceeds this server's limit ({cap})", tokens_param)
-        if prompt_len + requested > context:
-            raise bad_request(f"the prompt ({prompt_len} tokens) + {tokens_param} ({requested}) exceeds the model's "
-                              f"context ({context} tokens)", tokens_param)
-        return requested
+    def _choice_params(self, body: OpenAIRequest, ids: list[int]) -> list[SamplingParams]:
+        """The n choices of a prompt: choice i has seed + i. The starting canvas and the renoising are random
+        even when sampling is near-greedy, so temperature 0 without a seed uses seed 0 (reproducible)."""
+        model = self.model
+        requested = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        room = max(1, model.max_context - len(ids))
+        new = requested or min(model.defaults.max_new_tokens, room, self.config.max_tokens or room)
+        greedy = body.temperature is not None and body.temperature < GREEDY_T
+        base = 0 if body.seed is None and greedy else body.seed
+        first = model.params(max_new_tokens=new, seed=base, stop=_stops(body.stop), **schedule(body.temperature))
+        model.check_request(ids, first, self.config.limits)
+        if base is None:
+            return [first] * body.n
+        return [first] + [first.replace(seed=(base + i) % (MAX_SEED + 1)) for i in range(1, body.n)]
+
+def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    return (stop,) if isinstance(stop, str) else tuple(stop or ())
 
 
 class Lease:
@@ -236,13 +210,14 @@ class Lease:
 class _Choice:
     index: int
     request_id: str
-    stream: TextStream  # its decoder holds the committed ids
-    canvases: int = 0
-    step: int = 0
+    output: OutputStream
     first_tokens: int = 0  # tokens of the first committed canvas
     t_first: float | None = None
-    finish_reason: str | None = None
     tokens: int = 0
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.output.finish_reason
 
 
 class Generation:
@@ -255,14 +230,13 @@ class Generation:
         self.prompt_tokens = prompt_tokens
         self.created = int(time.time())
         self.t_arrival = t_arrival
-        self.tokenizer = service.model.tokenizer
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         sink = Sink(asyncio.get_running_loop(), self.queue)
         self.choices: dict[str, _Choice] = {}
         jobs = []
         for i, plan in enumerate(plans):
             rid = f"{id}-{i}"
-            self.choices[rid] = _Choice(i, rid, TextStream(self.tokenizer, plan.params.stop))
+            self.choices[rid] = _Choice(i, rid, OutputStream(service.model.tokenizer, plan.params.stop))
             jobs.append(Job(rid, plan.ids, plan.params, drafts, sink, self.t_arrival))
         service.metrics.admitted(sum(len(p.ids) for p in plans))
         service.worker.submit(jobs)
@@ -303,49 +277,38 @@ class Generation:
     def close(self) -> None:
         unfinished = [c for c in self.choices.values() if c.finish_reason is None]
         for c in unfinished:
-            self._finish(c, "abort")
+            c.output.feed(Event(c.request_id, "finish", finish_reason="abort"))
+            self._record(c)
         if unfinished:
             self.service.worker.abort([c.request_id for c in unfinished])
         self.lease.release()
 
     # ---- events -> outputs ------------------------------------------------------------------------------------
     def _on_event(self, c: _Choice, event: Event) -> list[Output]:
-        if event.kind == "draft":
-            c.step += 1
-            ids, committed = event.token_ids, c.stream.decoder.ids
-            if ids[:len(committed)] == committed:  # drafts carry the committed ids, then the canvas
-                ids = ids[len(committed):]
-            draft = {"canvas": c.canvases, "step": c.step, "text": self.tokenizer.decode(ids), "token_ids": ids}
-            return [Output("draft", c.index, draft=draft)]
-        if event.kind == "commit":
-            return self._on_commit(c, event.token_ids)
-        reason = event.finish_reason
-        if reason in ("stop", "length"):
-            tail = c.stream.push([], final=True)  # may complete a stop string held back until now
-            reason = "stop" if c.stream.stopped else reason
-            return ([Output("text", c.index, tail)] if tail else []) + [self._finish(c, reason)]
-        self._finish(c, "abort" if reason == "abort" else "error")
+        return [out for item in c.output.feed(event) if (out := self._output(c, item)) is not None]
+
+    def _output(self, c: _Choice, item: StreamEvent) -> Output | None:
+        if item.kind == "draft":
+            draft = {"canvas": item.canvas, "step": item.step, "text": item.text, "token_ids": item.token_ids}
+            return Output("draft", c.index, draft=draft)
+        if item.kind == "text":
+            if c.t_first is None and item.token_ids:
+                c.t_first, c.first_tokens = time.perf_counter(), len(item.token_ids)
+            return Output("text", c.index, item.text) if item.text else None
+        if c.output.stopped and c.finish_reason == "stop":
+            self.service.worker.abort([c.request_id])  # harmless when the engine already finished it
+        self._record(c)
+        if item.finish_reason in ("stop", "length"):
+            return Output("finish", c.index, finish_reason=item.finish_reason)
         error = (ApiError(503, "the server is shutting down; the request was aborted", code="shutting_down")
-                 if reason == "abort" else ApiError(500, "the engine failed while generating", code="engine_error"))
-        return [Output("error", c.index, error=error)]
+                 if item.finish_reason == "abort" else ApiError(500, "the engine failed while generating",
+                                                                code="engine_error"))
+        return Output("error", c.index, error=error)
 
-    def _on_commit(self, c: _Choice, ids: list[int]) -> list[Output]:
-        if c.t_first is None:
-            c.t_first, c.first_tokens = time.perf_counter(), len(ids)
-        c.canvases, c.step = c.canvases + 1, 0
-        delta = c.stream.push(ids)
-        out = [Output("text", c.index, delta)] if delta else []
-        if c.stream.stopped:
-            self.service.worker.abort([c.request_id])
-            out.append(self._finish(c, "stop"))
-        return out
-
-    def _finish(self, c: _Choice, reason: str) -> Output:
+    def _record(self, c: _Choice) -> None:
         now = time.perf_counter()
-        c.finish_reason = reason
-        c.tokens = len(c.stream.kept_ids())
+        c.tokens = len(c.output.kept_ids())
         ttft = None if c.t_first is None else c.t_first - self.t_arrival
         later = c.tokens - c.first_tokens
         tpot = (now - c.t_first) / later if c.t_first is not None and later > 0 else None
-        self.service.metrics.choice_finished(reason, now - self.t_arrival, ttft, tpot, c.tokens)
-        return Output("finish", c.index, finish_reason=reason)
+        self.service.metrics.choice_finished(c.finish_reason, now - self.t_arrival, ttft, tpot, c.tokens)

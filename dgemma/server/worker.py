@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dgemma.engine import Engine, Event, Request
+from dgemma.engine import Engine, Event, Request  # Engine or AutoregressiveEngine: the same interface
 from dgemma.sampling import SamplingParams
 from dgemma.server.metrics import Metrics
 
@@ -140,8 +140,8 @@ class Worker:
             self._fail_all("error")
             self.engine = self._make_engine()
             return
-        if self.engine.batch is not None:  # rows denoised in this step (finished ones stay until the boundary)
-            self.metrics.engine_step(len(self.engine.batch.rows))
+        if self.engine.num_running:
+            self.metrics.engine_step(self.engine.num_running)
         self._deliver([(self._sinks[e.request_id], e) for e in events if e.request_id in self._sinks])
         for e in events:
             if e.kind == "finish" and e.request_id in self._requests:

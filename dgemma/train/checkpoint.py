@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from dgemma.errors import ConfigError, DgemmaError
 from dgemma.sampling.params import SamplingParams
-from dgemma.tokenizer import read_json
+from dgemma.jsonfile import read_json
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model")
@@ -80,7 +80,7 @@ def latest_state(root: Path) -> Path | None:
 def load_state(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
     weights = load_file(str(path / "trainable.safetensors"))
     extra = torch.load(path / "state.pt", weights_only=False)
-    meta = read_json(path / "state.json")
+    meta = read_json(path / "state.json", required=True)
     return weights, extra, meta
 
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from dgemma.errors import DgemmaError
-from dgemma.tokenizer import read_json
+from dgemma.jsonfile import read_json
 
 # flag -> (TrainConfig field, type, help); booleans are handled apart
 _FLAGS = {

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from dgemma.config import ModelConfig
 from dgemma.errors import CheckpointError, ConfigError
+from dgemma.jsonfile import read_json
 from dgemma.model import DiffusionGemma
 
 log = logging.getLogger(__name__)
@@ -50,26 +51,16 @@ def resolve_checkpoint(path_or_repo: str | Path) -> Path:
 
 
 def read_config(directory: Path) -> ModelConfig:
-    path = directory / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{directory}: missing config.json")
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: invalid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return ModelConfig.from_hf(raw)
+    return ModelConfig.from_hf(read_json(directory / "config.json", required=True))
 
 
 def tensor_files(directory: Path) -> dict[str, Path]:
     """Tensor name -> file, from `model.safetensors` or a sharded index."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: invalid shard index ({e})") from None
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: invalid shard index (no weight_map object)")
         files = {name: directory / shard for name, shard in weight_map.items()}
         for shard in sorted(set(files.values())):
             if not shard.is_file():

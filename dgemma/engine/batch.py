@@ -1,0 +1,126 @@
+"""What the engine and the reference runner share: the prefill of a group of rows, one canvas's state and
+per-step bookkeeping (frozen rows, the stopper, step counts), and the events a canvas produces."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dgemma.cache import KVCache
+from dgemma.engine.request import Event, Request
+from dgemma.model import DiffusionGemma
+from dgemma.sampling import StableConfidentStopper, StepOutput, finalize_canvas, freeze_rows, temperature_schedule
+
+
+def prefill(model: DiffusionGemma, rows: list[Request], pad_id: int, room: int,
+            own_positions: bool) -> tuple[KVCache, Tensor]:
+    """One encoder pass over the rows' prompts, left-padded; returns the cache (with `room` free slots) and each
+    row's left pad [B]. With `own_positions` each row's positions start at 0 after its padding; otherwise the
+    batch shares positions, as transformers does."""
+    device, n = model.device, max(len(r.prompt) for r in rows)
+    pads = torch.tensor([n - len(r.prompt) for r in rows], device=device)
+    ids = torch.tensor([[pad_id] * (n - len(r.prompt)) + r.prompt for r in rows], device=device)
+    slots = torch.arange(n, device=device)[None]
+    positions = (slots - pads[:, None]).clamp(min=0) if own_positions else None
+    cache = model.new_cache(len(rows), n + room)
+    for r in rows:
+        r.stats.t_start = time.perf_counter()
+    model.encode(ids, cache, valid=slots >= pads[:, None], positions=positions)
+    return cache, pads
+
+
+def _row_table(values: list[list[float]] | list[list[int]], device, dtype, fill) -> Tensor:
+    """Ragged per-row lists -> [B, max len], each row padded with `fill` (a value or "last")."""
+    width = max(1, max(len(v) for v in values))
+    rows = [v + [v[-1] if fill == "last" else fill] * (width - len(v)) for v in values]
+    return torch.tensor(rows, dtype=dtype, device=device)
+
+
+@dataclass
+class Canvas:
+    """One canvas of a batch of rows being denoised. `frozen` is the host copy of `done`, read once per step."""
+
+    tokens: Tensor  # [B, C] the decoder's next input
+    argmax: Tensor  # [B, C] the current draft
+    done: Tensor  # [B] bool: stable and confident
+    frozen: list[bool]
+    row_steps: list[int]  # denoising steps each row has taken on this canvas
+    stopper: StableConfidentStopper
+    temperatures: Tensor  # [B, S] each row's schedule, padded with its last entry
+    entropy_bound: Tensor  # [B]
+    signal: Tensor | None = None
+    step: int = 0
+
+    @classmethod
+    def start(cls, rows: list[Request], tokens: Tensor) -> Canvas:
+        device, f32 = tokens.device, torch.float32
+        schedules = [temperature_schedule(r.params.max_denoising_steps, r.params.t_min, r.params.t_max,
+                                          device="cpu").tolist() for r in rows]  # host lists: one transfer below
+        stopper = StableConfidentStopper(
+            torch.tensor([r.params.stability_threshold for r in rows], device=device),
+            torch.tensor([r.params.confidence_threshold for r in rows], device=device))
+        return cls(tokens, tokens, torch.zeros(len(rows), dtype=torch.bool, device=device), [False] * len(rows),
+                   [0] * len(rows), stopper, _row_table(schedules, device, f32, "last"),
+                   torch.tensor([r.params.entropy_bound for r in rows], device=device))
+
+    def temperature(self) -> Tensor:
+        """[B] this step's temperature per row."""
+        return self.temperatures[:, min(self.step, self.temperatures.shape[1] - 1)]
+
+    def advance(self, rows: list[Request], out: StepOutput, signal: Tensor | None) -> None:
+        """Take one step's output: rows already done keep their draft, tokens and signal (as transformers
+        does), the stopper sees the new drafts, and the host learns which rows are now done."""
+        argmax, tokens = out.argmax, out.canvas
+        if any(self.frozen):
+            argmax = freeze_rows(self.done, self.argmax, argmax)
+            tokens = freeze_rows(self.done, self.tokens, tokens)
+            if signal is not None and self.signal is not None:
+                signal = freeze_rows(self.done, self.signal, signal)
+        for i, (r, f) in enumerate(zip(rows, self.frozen)):
+            r.stats.decoder_passes += not f and not r.finished
+            self.row_steps[i] += not f
+        self.done = self.done | self.stopper.update(argmax, out.entropy)
+        self.tokens, self.argmax, self.signal = tokens, argmax, signal
+        self.step += 1
+        self.frozen = self.done.tolist()  # the step's one host read
+
+    def over(self, rows: list[Request], finished_rows_count: bool) -> bool:
+        """Every row is done or out of steps; finished rows (aborted, or ended in an earlier canvas) count as
+        done unless `finished_rows_count` (the reference keeps denoising them, as transformers does)."""
+        return all(f or self.step >= r.params.max_denoising_steps or (r.finished and not finished_rows_count)
+                   for f, r in zip(self.frozen, rows))
+
+    def last_step(self, rows: list[Request]) -> bool:
+        """No row takes another step after this one: nobody reads this step's self-conditioning signal."""
+        return all(f or r.finished or self.step + 1 >= r.params.max_denoising_steps
+                   for f, r in zip(self.frozen, rows))
+
+    def select(self, index: Tensor, keep: list[int]) -> None:
+        """Keep only these rows (index [K] on the device, keep: the same as a list)."""
+        self.tokens, self.argmax, self.done = self.tokens[index], self.argmax[index], self.done[index]
+        self.signal = None if self.signal is None else self.signal[index]
+        self.temperatures, self.entropy_bound = self.temperatures[index], self.entropy_bound[index]
+        self.frozen = [self.frozen[i] for i in keep]
+        self.row_steps = [self.row_steps[i] for i in keep]
+        self.stopper.select(index)
+
+    def drafts(self, rows: list[Request], events: list[Event]) -> None:
+        """A draft event (the visible part of the current canvas) for each live row that asked for drafts."""
+        if any(r.drafts and not r.finished for r in rows):
+            for r, ids in zip(rows, self.argmax.tolist()):
+                if r.drafts and not r.finished:
+                    events.append(Event(r.id, "draft", r.visible(ids)))
+
+    def commit(self, rows: list[Request], pad_id: int, events: list[Event]) -> Tensor:
+        """Commit each live row's draft up to its first EOS and within its budget; returns the canvas padded as
+        transformers does (each row with its own EOS ids), ready to be encoded."""
+        finished = torch.tensor([r.finished for r in rows], device=self.argmax.device)
+        eos = _row_table([list(r.eos) for r in rows], self.argmax.device, torch.long, -1)
+        padded = finalize_canvas(self.argmax, eos, pad_id, finished)
+        for r, ids, steps in zip(rows, self.argmax.tolist(), self.row_steps):
+            if not r.finished:
+                r.commit(ids, steps, events)
+        return padded

@@ -1,0 +1,88 @@
+"""The one path from engine events to what users see, for the Python API, the CLI and the server: committed
+text deltas (never a split character, stop strings held back and honoured), drafts of the current canvas, and
+the final flush with the finish reason."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from dgemma.engine.request import Event
+from dgemma.sampling import stop_holdback, truncate_at_stop_strings
+from dgemma.tokenizer import IncrementalDecoder, Tokenizer
+
+
+@dataclass
+class StreamEvent:
+    """draft: the current canvas (text and ids; `canvas` counts committed canvases, `step` the denoising steps
+    of this one); text: newly committed text and ids; done: the request ended (`finish_reason`; the API adds
+    its `result`)."""
+
+    kind: Literal["draft", "text", "done"]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    canvas: int = 0
+    step: int = 0
+    result: Any = None
+
+
+class OutputStream:
+    """One request's engine events in, StreamEvents out. Committed ids are detokenized incrementally; text that
+    may still become a stop string is held back. When `stopped` turns True (a stop string was seen) the caller
+    aborts the engine request; later events are ignored."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stops: tuple[str, ...] = ()):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
+        self.ids: list[int] = []
+        self.emitted = ""
+        self.stopped = False
+        self.canvases = self.steps = 0
+        self.finish_reason: str | None = None
+
+    @property
+    def text(self) -> str | None:
+        return None if self.decoder is None else self.emitted
+
+    def kept_ids(self) -> list[int]:
+        """The committed ids; after a stop string, the shortest prefix whose text covers what was emitted."""
+        if not self.stopped:
+            return self.ids
+        return next((self.ids[:n] for n in range(len(self.ids) + 1)
+                     if len(self.tokenizer.decode(self.ids[:n])) >= len(self.emitted)), self.ids)
+
+    def feed(self, event: Event) -> list[StreamEvent]:
+        if self.finish_reason is not None:
+            return []
+        if event.kind == "draft":
+            self.steps += 1
+            text = self.tokenizer.decode(event.token_ids) if self.tokenizer is not None else ""
+            return [StreamEvent("draft", text, event.token_ids, canvas=self.canvases, step=self.steps)]
+        if event.kind == "commit":
+            self.canvases, self.steps = self.canvases + 1, 0
+            self.ids.extend(event.token_ids)
+            out = [StreamEvent("text", self._push(event.token_ids), event.token_ids)]
+            return out + [self._done("stop")] if self.stopped else out
+        reason = event.finish_reason
+        if reason not in ("stop", "length"):
+            return [self._done(reason)]
+        tail = self._push([], final=True)  # may complete a stop string held back until now
+        return ([StreamEvent("text", tail)] if tail else []) + [self._done("stop" if self.stopped else reason)]
+
+    def _push(self, ids: list[int], final: bool = False) -> str:
+        """Newly committed ids -> the text now safe to show."""
+        if self.decoder is None or self.stopped:
+            return ""
+        self.decoder.push(ids, final=final)
+        full = self.decoder.text
+        if self.stops:
+            cut, self.stopped = truncate_at_stop_strings(full, self.stops)
+            full = cut if self.stopped or final else full[:len(full) - stop_holdback(full, self.stops)]
+        delta = full[len(self.emitted):]
+        self.emitted = full if len(full) > len(self.emitted) else self.emitted
+        return delta
+
+    def _done(self, reason: str) -> StreamEvent:
+        self.finish_reason = reason
+        return StreamEvent("done", finish_reason=reason)

@@ -1,0 +1,61 @@
+"""What every engine shares: making a request (the request's EOS ids, else the model's; a generator on the
+model's device) and driving `step()` to the end."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+from dgemma.engine.request import Event, Request
+from dgemma.model import DiffusionGemma
+from dgemma.sampling import SamplingParams, make_generator
+
+_ids = itertools.count()
+
+
+class Runner:
+    def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...]):
+        self.model = model
+        self.eos_ids = tuple(eos_ids)
+        self.waiting: list[Request] = []
+
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
+                    drafts: bool = False) -> Request:
+        """Queue a request; it starts at the engine's next opportunity."""
+        req = self.make_request(prompt, params, request_id, drafts)
+        self.waiting.append(req)
+        return req
+
+    def make_request(self, prompt: list[int], params: SamplingParams, request_id: str | None, drafts: bool,
+                     seeded: bool = True) -> Request:
+        """`seeded=False`: no generator of its own (the reference draws from the global RNG)."""
+        eos = params.eos_token_ids if params.eos_token_ids is not None else self.eos_ids
+        generator = make_generator(params.seed, self.model.device) if seeded else None
+        return Request(request_id or f"req-{next(_ids)}", list(prompt), params, tuple(eos), drafts, generator)
+
+    def held(self) -> list[Request]:
+        """The requests this engine holds (waiting or running)."""
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        """Finish a request now (client gone, stop string seen); the engine drops it at its next step."""
+        for req in self.held():
+            if req.id == request_id and not req.finished:
+                req.finish("abort")
+
+    def step(self) -> list[Event]:
+        raise NotImplementedError
+
+    def has_work(self) -> bool:
+        raise NotImplementedError
+
+    def stream(self) -> Iterator[Event]:
+        while self.has_work():
+            yield from self.step()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
+        """Decode these prompts to the end; returns their finished requests."""
+        reqs = [self.add_request(p, params) for p in prompts]
+        for _ in self.stream():
+            pass
+        return reqs

@@ -1,0 +1,62 @@
+"""Instruments for tests and benchmarks, usable on the CPU: host reads (device-to-host synchronisations on an
+accelerator) and tensor factories called without a device, as made by dgemma's own code (a TorchFunctionMode),
+and the kernels a region launches (aten ops that compute, not views; a TorchDispatchMode)."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+HOST_READS = {"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "nonzero", "numpy"}
+FACTORIES = {"tensor", "zeros", "ones", "full", "empty", "arange", "rand", "randn", "randint", "as_tensor",
+             "randperm"}
+
+
+class Recorder(TorchFunctionMode):
+    """`reads`: host reads made from files under `roots`; `no_device`: factory calls there without `device=`."""
+
+    def __init__(self, roots: tuple[str, ...] = ("dgemma/engine/", "dgemma/sampling/", "dgemma/model/",
+                                                 "dgemma/cache.py")):
+        super().__init__()
+        self.roots = roots
+        self.reads: list[str] = []
+        self.no_device: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS or (name in FACTORIES and kwargs.get("device") is None):
+            frame = sys._getframe(1)
+            where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+            if any(r in where.replace("\\", "/") for r in self.roots):
+                (self.reads if name in HOST_READS else self.no_device).append(f"{name} at {where}")
+        return func(*args, **kwargs)
+
+
+class KernelCounter(TorchDispatchMode):
+    """aten ops run inside the region, views and metadata-only ops excluded: about one kernel launch each on
+    an accelerator."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not _is_view(func):
+            self.ops[func.overloadpacket.__name__] += 1
+        return out
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+
+def _is_view(func) -> bool:
+    schema = func._schema
+    return (func.is_view or any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+            or func.overloadpacket in (torch.ops.aten.detach, torch.ops.aten.lift_fresh))
