@@ -24,10 +24,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dgemma.config import ModelConfig  # noqa: E402
+from dgemma.dtypes import NAMES  # noqa: E402
 from dgemma.model import DiffusionGemma  # noqa: E402
 from dgemma.train.data import Example, collate  # noqa: E402
 from dgemma.train.objective import ObjectiveConfig, compute_losses  # noqa: E402
-from dgemma.train.trainer import autocast_dtype, init_weights  # noqa: E402
+from dgemma.train.trainer import compute_dtype, init_weights  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -39,7 +40,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
+    p.add_argument("--precision", default="auto", choices=["auto", *NAMES])
     p.add_argument("--lora", action="store_true", help="LoRA r=16 on attention + MLP instead of full training")
     return p.parse_args()
 
@@ -87,12 +88,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, params = build_model(args)
-    amp = autocast_dtype(args.precision, torch.device("cpu"))
+    dtype = compute_dtype(args.precision, torch.device("cpu"))
+    amp = dtype if dtype != torch.float32 else None
     elapsed, tokens, canvas_tokens = train(args, model, params, amp)
     print(json.dumps({
         "benchmark": "train_throughput", "batch_size": args.batch_size, "prompt": args.prompt,
         "canvases": args.canvases, "canvas_length": model.cfg.canvas_length, "lora": args.lora,
-        "precision": "bf16" if amp is not None else "fp32", "threads": torch.get_num_threads(),
+        "precision": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
         "parameters": sum(q.numel() for q in model.parameters()), "trainable": sum(q.numel() for q in params),
         "step_s": round(elapsed / args.steps, 3), "tokens_per_s": round(tokens / elapsed, 1),
         "canvas_tokens_per_s": round(canvas_tokens / elapsed, 1),

@@ -69,7 +69,7 @@ def workdir(tmp_path_factory):
 def tiny_config(workdir: Path, out: Path, **over):
     values = dict(model_config=TINY, tokenizer=str(workdir / "tok"), train_data=str(workdir / "train.txt"),
                   valid_data=str(workdir / "valid.txt"), out=str(out), canvases=2, max_prompt=6, batch_size=3,
-                  steps=4, lr=1e-2, warmup=1, eval_every=0, save_every=0, save_minutes=1e9, precision="fp32",
+                  steps=4, lr=1e-2, warmup=1, eval_every=0, save_every=0, save_minutes=1e9, precision="float32",
                   eval_batches=1)
     values.update(over)
     return make_config(values)
@@ -354,7 +354,7 @@ def test_lora_trains_only_adapters_and_merges(workdir, tmp_path):
     cfg = make_config(dict(model=str(base), train_data=str(workdir / "train.txt"), out=str(tmp_path / "lora"),
                            lora=True, lora_r=4, lora_alpha=8, lora_targets=["attention", "mlp", "experts"],
                            steps=2, batch_size=2, lr=5e-2, warmup=1, eval_every=0, save_minutes=1e9,
-                           precision="fp32", canvases=2, max_prompt=6))
+                           precision="float32", canvases=2, max_prompt=6))
     trainer = Trainer(cfg, progress=False)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
@@ -429,12 +429,44 @@ def test_merge_adapter_errors_are_one_line(workdir, tmp_path):
 
 
 def test_bf16_autocast_keeps_fp32_master_weights(workdir, tmp_path):
-    trainer = Trainer(tiny_config(workdir, tmp_path, precision="bf16"), progress=False)
+    trainer = Trainer(tiny_config(workdir, tmp_path, precision="bfloat16"), progress=False)
     assert trainer.amp == torch.bfloat16
     stats = trainer.train_step()
     assert math.isfinite(stats["loss"])
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
     assert all(s["exp_avg"].dtype == torch.float32 for s in trainer.optimizer.state.values())
+
+
+def test_precision_and_save_dtype_use_the_dtype_vocabulary(workdir, tmp_path):
+    from dgemma.errors import ConfigError
+
+    for field, old in (("precision", "fp32"), ("precision", "bf16"), ("save_dtype", "bf16")):
+        with pytest.raises(ConfigError, match=rf"^{field}='{old}' must be one of (auto, )?float32, bfloat16$"):
+            tiny_config(workdir, tmp_path, **{field: old})
+    assert tiny_config(workdir, tmp_path, precision="auto", save_dtype="bfloat16").precision == "auto"
+
+
+def test_generation_config_comes_from_sampling_params(workdir, tmp_path):
+    from dgemma.errors import CheckpointError, ConfigError
+    from dgemma.sampling.params import SamplingParams
+    from dgemma.train.checkpoint import generation_config
+
+    default = SamplingParams()
+    cfg = generation_config([1, 5], 0, 2)
+    assert (cfg["max_new_tokens"], cfg["max_denoising_steps"], cfg["t_min"], cfg["t_max"]) == \
+        (default.max_new_tokens, default.max_denoising_steps, default.t_min, default.t_max)
+    assert cfg["sampler_config"] == {"entropy_bound": default.entropy_bound, "_cls_name": "EntropyBoundSamplerConfig"}
+    assert cfg["eos_token_id"] == [1, 5]
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"t_max": 0.7, "sampler_config": {"entropy_bound": 0.3}, "return_dict_in_generate": True}))
+    cfg = generation_config([1], 0, 2, {"t_min": 0.1}, tmp_path)
+    assert (cfg["t_min"], cfg["t_max"], cfg["sampler_config"]["entropy_bound"]) == (0.1, 0.7, 0.3)
+    assert cfg["return_dict_in_generate"] is True
+    with pytest.raises(ConfigError, match="generation: unknown key"):
+        tiny_config(workdir, tmp_path, generation={"temperature": 1.0})
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="invalid JSON"):
+        generation_config([1], 0, 2, None, tmp_path)
 
 
 def test_config_file_and_flags(workdir, tmp_path):
@@ -459,7 +491,7 @@ def test_config_file_and_flags(workdir, tmp_path):
 DEMO = Path(__file__).resolve().parent.parent / "dgemma" / "assets" / "demo"
 
 
-@pytest.mark.skipif(not (DEMO / "model.safetensors").is_file(), reason="the bundled demo model is not built")
+@pytest.mark.skipif(not any(DEMO.glob("*.safetensors")), reason="the bundled demo model is not built")
 def test_bundled_demo_model_matches_transformers():
     from transformers import DiffusionGemmaForBlockDiffusion
 

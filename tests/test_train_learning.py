@@ -42,7 +42,7 @@ def test_reversal_is_learned_and_generated(tmp_path):
     cfg = make_config(dict(model_config=MODEL, tokenizer=str(tmp_path / "tok"),
                            train_data=str(tmp_path / "train.jsonl"), out=str(tmp_path / "run"), canvases=2,
                            max_prompt=16, steps=300, batch_size=32, lr=3e-3, min_lr=3e-4, warmup=20,
-                           weight_decay=0.0, betas=(0.9, 0.98), eval_every=0, save_minutes=1e9, precision="fp32",
+                           weight_decay=0.0, betas=(0.9, 0.98), eval_every=0, save_minutes=1e9, precision="float32",
                            seed=0, init_std=0.05))
     final = train(cfg, progress=False)
 

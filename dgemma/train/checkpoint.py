@@ -17,11 +17,16 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from dgemma.errors import DgemmaError
+from dgemma.errors import ConfigError, DgemmaError
+from dgemma.sampling.params import SamplingParams
+from dgemma.jsonfile import read_json
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model")
 TRANSFORMERS_VERSION = "5.23.0"
+# SamplingParams fields a generation_config.json carries (entropy_bound inside sampler_config)
+GENERATION_KEYS = ("max_new_tokens", "max_denoising_steps", "t_min", "t_max", "stability_threshold",
+                   "confidence_threshold", "entropy_bound")
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -75,22 +80,28 @@ def latest_state(root: Path) -> Path | None:
 def load_state(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
     weights = load_file(str(path / "trainable.safetensors"))
     extra = torch.load(path / "state.pt", weights_only=False)
-    meta = json.loads((path / "state.json").read_text())
+    meta = read_json(path / "state.json", required=True)
     return weights, extra, meta
 
 
+def sampling_params(base: dict[str, Any], overrides: dict[str, Any]) -> SamplingParams:
+    """A base generation_config.json dict ({} for the defaults) with `overrides` (GENERATION_KEYS) applied."""
+    if unknown := sorted(set(overrides) - set(GENERATION_KEYS)):
+        raise ConfigError(f"generation: unknown key(s) {', '.join(unknown)} (known: {', '.join(GENERATION_KEYS)})")
+    return SamplingParams.from_generation_config(base).replace(**overrides)
+
+
 def generation_config(eos_ids: list[int], pad: int, bos: int, overrides: dict[str, Any] | None = None,
-                      base: dict[str, Any] | None = None) -> dict[str, Any]:
-    """generation_config.json in the reference's format (sampler_config carries its dataclass name)."""
-    cfg: dict[str, Any] = {"max_new_tokens": 256, "max_denoising_steps": 48, "t_min": 0.4, "t_max": 0.8,
-                           "stability_threshold": 1, "confidence_threshold": 0.005, "entropy_bound": 0.1}
-    if base:
-        cfg.update({k: v for k, v in base.items() if k not in ("sampler_config", "transformers_version")})
-        cfg["entropy_bound"] = (base.get("sampler_config") or {}).get("entropy_bound", cfg["entropy_bound"])
+                      base_dir: Path | None = None) -> dict[str, Any]:
+    """generation_config.json in the reference's format (sampler_config carries its dataclass name): sampling
+    values from SamplingParams (defaults, or the base checkpoint's file) with `overrides`; the base file's other
+    keys are kept."""
+    base = read_json(base_dir / "generation_config.json") if base_dir else {}
+    params = sampling_params(base, overrides or {})
+    cfg = {k: v for k, v in base.items() if k not in ("sampler_config", "transformers_version")}
+    cfg.update({k: getattr(params, k) for k in GENERATION_KEYS if k != "entropy_bound"})
     cfg.update({"bos_token_id": bos, "pad_token_id": pad, "eos_token_id": eos_ids})
-    cfg.update(overrides or {})
-    bound = float(cfg.pop("entropy_bound"))
-    cfg["sampler_config"] = {"entropy_bound": bound, "_cls_name": "EntropyBoundSamplerConfig"}
+    cfg["sampler_config"] = {"entropy_bound": params.entropy_bound, "_cls_name": "EntropyBoundSamplerConfig"}
     cfg["transformers_version"] = TRANSFORMERS_VERSION
     return cfg
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from dgemma.errors import DgemmaError
+from dgemma.jsonfile import read_json
 
 # flag -> (TrainConfig field, type, help); booleans are handled apart
 _FLAGS = {
@@ -28,7 +29,8 @@ _FLAGS = {
     "--max-prompt": ("max_prompt", int, "prompt tokens at most"),
     "--ar-weight": ("ar_weight", float, "weight of the encoder's next-token loss"),
     "--self-cond-prob": ("self_cond_prob", float, "probability of the self-conditioning signal"),
-    "--precision": ("precision", str, "auto | bf16 | fp32 (bf16 autocast, fp32 master weights)"),
+    "--precision": ("precision", str, "auto | float32 | bfloat16 (bf16: autocast over float32 master weights, "
+                    "or a bf16 frozen LoRA base)"),
     "--lora-r": ("lora_r", int, "LoRA rank"),
     "--lora-alpha": ("lora_alpha", int, "LoRA alpha"),
     "--eval-every": ("eval_every", int, "held-out loss every N steps (0: never)"),
@@ -89,35 +91,34 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_merge(args: argparse.Namespace) -> int:
-    """--merge-adapter ADAPTER --model BASE --out DIR: a full checkpoint with the adapter folded in."""
-    import torch
-
-    from dgemma.train.checkpoint import export_model, generation_config
-    from dgemma.train.lora import merge_adapter
-    from dgemma.weights import load_model, resolve_checkpoint
+    """--merge-adapter ADAPTER --model BASE --out DIR: a full checkpoint with the adapter folded in (on the CPU)."""
+    from dgemma.dtypes import parse_dtype
+    from dgemma.train.checkpoint import generation_config
+    from dgemma.train.lora import export_merged
+    from dgemma.weights.hf import read_config, resolve_checkpoint
 
     adapter = Path(args.merge_adapter)
-    base = args.model
-    if base is None and (adapter / "adapter_config.json").is_file():
-        try:
-            base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
-        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-            raise DgemmaError(f"{adapter}/adapter_config.json is not a valid adapter config; pass --model") from None
+    base = args.model or _adapter_base(adapter)
     if not base:
         raise DgemmaError("--merge-adapter needs --model (the base checkpoint the adapter was trained on)")
     if not args.out:
         raise DgemmaError("--merge-adapter needs --out (where to write the merged checkpoint)")
     base_dir = resolve_checkpoint(base)
-    model = merge_adapter(load_model(base_dir, dtype=torch.float32), adapter)
-    gen = {}
-    if (base_dir / "generation_config.json").is_file():
-        gen = json.loads((base_dir / "generation_config.json").read_text())
-    t = model.cfg.text
-    gen_cfg = generation_config(list(t.eos_token_id), t.pad_token_id, t.bos_token_id, base=gen)
-    dtype = torch.bfloat16 if args.save_dtype == "bfloat16" else torch.float32
-    out = export_model(model, Path(args.out), Path(args.tokenizer) if args.tokenizer else base_dir, gen_cfg, dtype)
+    t = read_config(base_dir).text
+    gen_cfg = generation_config(list(t.eos_token_id), t.pad_token_id, t.bos_token_id, base_dir=base_dir)
+    dtype = parse_dtype(args.save_dtype or "float32", "save_dtype")
+    tokenizer_dir = Path(args.tokenizer) if args.tokenizer else base_dir
+    out = export_merged(base_dir, adapter, Path(args.out), tokenizer_dir, gen_cfg, dtype)
     print(json.dumps({"merged": str(out)}))
     return 0
+
+
+def _adapter_base(adapter: Path) -> str | None:
+    """The base checkpoint an adapter names in its adapter_config.json (None when it has none)."""
+    try:
+        return read_json(adapter / "adapter_config.json").get("base_model_name_or_path")
+    except DgemmaError:
+        raise DgemmaError(f"{adapter}/adapter_config.json is not a valid adapter config; pass --model") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dgemma.dtypes import NAMES, parse_dtype
 from dgemma.errors import ConfigError
 
 LORA_GROUPS = {
@@ -46,7 +47,7 @@ class TrainConfig:
     betas: tuple[float, float] = (0.95, 0.99)
     adam_eps: float = 1e-8
     clip: float = 1.0
-    precision: str = "auto"  # auto | bf16 | fp32 (bf16 autocast keeps fp32 master weights)
+    precision: str = "auto"  # auto | float32 | bfloat16 (auto: bfloat16 where matmuls are native, else float32)
     init_std: float = 0.02  # from-scratch initialisation
     # LoRA (peft): targets are groups from LORA_GROUPS or module / parameter names
     lora: bool = False
@@ -80,6 +81,8 @@ class TrainConfig:
             raise ConfigError("set exactly one of model (a checkpoint to fine-tune) and model_config (from scratch)")
         if self.model_config is not None and self.tokenizer is None:
             raise ConfigError("training from scratch needs tokenizer (a directory with tokenizer.json)")
+        if self.lora and self.model is None:
+            raise ConfigError("lora needs model (the checkpoint the adapter is trained on and merged into)")
         for name in ("steps", "batch_size", "grad_accum", "canvases", "max_prompt", "lora_r", "eval_batches",
                      "keep_checkpoints", "log_every"):
             value = getattr(self, name)
@@ -97,12 +100,14 @@ class TrainConfig:
             raise ConfigError(f"need lr > 0 and 0 <= min_lr <= lr (got lr={self.lr}, min_lr={self.min_lr})")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"betas={self.betas} must be two numbers in [0, 1)")
-        if self.precision not in ("auto", "bf16", "fp32"):
-            raise ConfigError(f"precision={self.precision!r} must be auto, bf16 or fp32")
-        if self.save_dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"save_dtype={self.save_dtype!r} must be float32 or bfloat16")
+        if self.precision not in ("auto", *NAMES):
+            raise ConfigError(f"precision={self.precision!r} must be one of auto, {', '.join(NAMES)}")
+        parse_dtype(self.save_dtype, "save_dtype")
         if self.ar_weight < 0 or self.clip < 0 or self.weight_decay < 0:
             raise ConfigError("ar_weight, clip and weight_decay must be >= 0")
+        from dgemma.train.checkpoint import sampling_params
+
+        sampling_params({}, self.generation)  # bad generation overrides fail now, not at the export
 
     def lora_target_names(self) -> tuple[list[str], list[str]]:
         """(module name suffixes, 3D parameter names) for peft."""

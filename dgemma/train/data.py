@@ -14,7 +14,6 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -181,15 +180,13 @@ def _special(tokenizer, kind: str) -> int:
 class Loader:
     """Shuffled batches with a resumable position: (epoch, cursor) into a per-epoch permutation."""
 
-    def __init__(self, dataset, batch_size: int, canvas_length: int, eos: int, seed: int, shuffle: bool = True):
+    def __init__(self, dataset, batch_size: int, canvas_length: int, eos: int, seed: int):
         self.dataset, self.batch_size, self.canvas_length, self.eos = dataset, batch_size, canvas_length, eos
-        self.seed, self.shuffle = seed, shuffle
+        self.seed = seed
         self.epoch, self.cursor = 0, 0
         self._order = self._permutation(0)
 
     def _permutation(self, epoch: int) -> list[int]:
-        if not self.shuffle:
-            return list(range(len(self.dataset)))
         g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
         return torch.randperm(len(self.dataset), generator=g).tolist()
 
@@ -209,7 +206,3 @@ class Loader:
             examples.append(self.dataset.get(self._order[self.cursor], self.epoch))
             self.cursor += 1
         return collate(examples, self.canvas_length, self.eos)
-
-    def __iter__(self) -> Iterator[Batch]:
-        while True:
-            yield self.next()

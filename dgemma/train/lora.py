@@ -3,7 +3,7 @@
 The encoder and decoder are one stack of weights, so one adapter serves both. Linear layers are matched by
 name suffix (`q_proj`, `mlp.up_proj`, ...); the experts' stacked 3D weights go through peft's `target_parameters`
 (a rank-r update per expert). Adapters are saved in peft's format (`adapter_config.json`,
-`adapter_model.safetensors`) with dgemma's module names, and merge into a plain `DiffusionGemma`.
+`adapter_model.safetensors`) with dgemma's module names, and merge into a plain `DiffusionGemma` on the CPU.
 """
 
 from __future__ import annotations
@@ -40,20 +40,6 @@ def apply_lora(model: torch.nn.Module, r: int, alpha: int, modules: list[str], p
     return get_peft_model(model, config)
 
 
-def adapter_state(peft_model) -> dict[str, torch.Tensor]:
-    from peft import get_peft_model_state_dict
-
-    return get_peft_model_state_dict(peft_model)
-
-
-def load_adapter_state(peft_model, state: dict[str, torch.Tensor]) -> None:
-    from peft import set_peft_model_state_dict
-
-    result = set_peft_model_state_dict(peft_model, state)
-    if getattr(result, "unexpected_keys", None):
-        raise DgemmaError(f"adapter does not fit the model: unexpected {result.unexpected_keys[0]}")
-
-
 def save_adapter(peft_model, directory: Path, base: str | None) -> None:
     peft_model.peft_config["default"].base_model_name_or_path = base
     peft_model.save_pretrained(str(directory))
@@ -73,9 +59,11 @@ def merge_adapter(model: torch.nn.Module, adapter_dir: str | Path) -> torch.nn.M
     return peft_model.merge_and_unload()
 
 
-def merged_copy(peft_model) -> torch.nn.Module:
-    """A plain model with the adapter folded in, leaving the training model untouched."""
-    import copy
+def export_merged(base_dir: Path, adapter_dir: Path, out: Path, tokenizer_dir: Path | None,
+                  gen_config: dict, dtype: torch.dtype) -> Path:
+    """Fold a saved adapter into its base checkpoint, read afresh in float32 on the CPU, and export the result."""
+    from dgemma.train.checkpoint import export_model
+    from dgemma.weights import load_model
 
-    clone = copy.deepcopy(peft_model)
-    return clone.merge_and_unload()
+    model = merge_adapter(load_model(base_dir, dtype=torch.float32, device="cpu"), adapter_dir)
+    return export_model(model, out, tokenizer_dir, gen_config, dtype)

@@ -6,6 +6,7 @@ the clean sequence (writing the cache, in the graph); the decoder denoises canva
 clean canvases before it. Self-conditioning: pass 1 with a zero signal and no gradient; pass 2 receives pass 1's
 soft embedding with probability `self_cond_prob` per example, else zero. Only pass 2 is scored.
 Loss = mean cross-entropy over canvas s (every position) + `ar_weight` * the encoder's next-token cross-entropy.
+The losses run through the tied head in chunks of positions, so no [B, L, vocab] float32 tensor is kept.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from dgemma.cache import KVCache
 from dgemma.train.data import Batch
+
+LOGIT_BUDGET = 2**24  # float32 logits per loss chunk (64 MiB)
 
 
 @dataclass(frozen=True)
@@ -61,17 +65,50 @@ def gather_canvas(ids: torch.Tensor, start: torch.Tensor, canvas_length: int) ->
     return ids.gather(1, index)
 
 
-def autoregressive_loss(logits: torch.Tensor, ids: torch.Tensor, ar_mask: torch.Tensor) -> torch.Tensor:
-    """Mean next-token CE over masked positions: logits [B, L, V] at i predict ids[:, i + 1]."""
+def rows_per_chunk(vocab_size: int) -> int:
+    """Positions per loss chunk: about LOGIT_BUDGET float32 logits (64 at the real 262,144 vocabulary)."""
+    return max(1, LOGIT_BUDGET // vocab_size)
+
+
+def _summed_ce(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(hidden), targets, reduction="sum")
+
+
+def cross_entropy(x: torch.Tensor, targets: torch.Tensor, head=None, chunk: int | None = None) -> torch.Tensor:
+    """Mean CE against targets [N]. x [N, V] logits, or [N, H] hidden states mapped by `head`: then `chunk` rows at
+    a time, each chunk's logits recomputed in backward (torch.utils.checkpoint), so no [N, V] tensor is kept."""
+    if head is None:
+        return F.cross_entropy(x, targets)
+    chunk = chunk or len(targets)
+    parts = [checkpoint(_summed_ce, head, h, t, use_reentrant=False, preserve_rng_state=False)
+             for h, t in zip(x.split(chunk), targets.split(chunk))]
+    return torch.stack(parts).sum() / len(targets)
+
+
+def autoregressive_loss(x: torch.Tensor, ids: torch.Tensor, ar_mask: torch.Tensor, head=None,
+                        chunk: int | None = None) -> torch.Tensor:
+    """Mean next-token CE over masked positions: x [B, L, V] logits (or hidden with `head`, see cross_entropy) at
+    i predict ids[:, i + 1]."""
     targets = ids[:, 1:][ar_mask[:, :-1]]
     if targets.numel() == 0:
-        return logits.sum() * 0
-    return F.cross_entropy(logits[:, :-1][ar_mask[:, :-1]], targets)
+        return x.sum() * 0
+    return cross_entropy(x[:, :-1][ar_mask[:, :-1]], targets, head, chunk)
 
 
-def diffusion_loss(logits: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
-    """Mean CE over every canvas position (corrupted or not, no 1/t weight): logits [B, C, V], x0 [B, C]."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x0.reshape(-1))
+def diffusion_loss(x: torch.Tensor, x0: torch.Tensor, head=None, chunk: int | None = None) -> torch.Tensor:
+    """Mean CE over every canvas position (corrupted or not, no 1/t weight): x [B, C, V] logits (or hidden with
+    `head`), x0 [B, C]."""
+    return cross_entropy(x.reshape(-1, x.shape[-1]), x0.reshape(-1), head, chunk)
+
+
+@torch.no_grad()
+def self_condition_signal(model, hidden: torch.Tensor, use: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Pass 1's soft embedding [B, C, H] from its hidden states, `chunk` positions at a time, zeroed where not
+    `use` [B]."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    soft = torch.cat([model.soft_embed(model.head(h)) for h in flat.split(chunk)])
+    soft = soft.view(*hidden.shape[:-1], soft.shape[-1])
+    return soft * use[:, None, None].to(soft.dtype)
 
 
 def compute_losses(model, batch: Batch, cfg: ObjectiveConfig, generator: torch.Generator,
@@ -91,17 +128,17 @@ def compute_losses(model, batch: Batch, cfg: ObjectiveConfig, generator: torch.G
     ids, valid, ar_mask = batch.ids.to(device), batch.valid.to(device), batch.ar_mask.to(device)
     x0, noisy, context, use_sc = x0.to(device), noisy.to(device), context.to(device), use_sc.to(device)
 
+    chunk = rows_per_chunk(vocab)
     amp = torch.autocast(device.type, dtype=autocast) if autocast is not None else nullcontext()
     with amp:
         cache = KVCache(model.cfg.text, b, ids.shape[1], autocast or model.dtype, device)
         hidden = model.encode(ids, cache, valid=valid)
-        ar = autoregressive_loss(model.head(hidden), ids, ar_mask)
+        ar = autoregressive_loss(hidden, ids, ar_mask, model.head, chunk)
         signal = None
         if bool(use_sc.any()):
             with torch.no_grad():
-                first = model.head(model.denoise(noisy, cache, None, context=context))
-            signal = model.soft_embed(first) * use_sc[:, None, None].to(first.dtype)
-        logits = model.head(model.denoise(noisy, cache, signal, context=context))
-        diff = diffusion_loss(logits, x0)
+                first = model.denoise(noisy, cache, None, context=context)
+            signal = self_condition_signal(model, first, use_sc, chunk)
+        diff = diffusion_loss(model.denoise(noisy, cache, signal, context=context), x0, model.head, chunk)
     total = diff + cfg.ar_weight * ar if cfg.ar_weight else diff
     return Losses(total, float(diff.detach()), float(ar.detach()), x0.numel(), int(ar_mask[:, :-1].sum()))

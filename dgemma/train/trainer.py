@@ -1,5 +1,6 @@
 """The training loop: full fine-tuning or LoRA, AdamW with warmup + cosine, clipping, accumulation, bf16
-autocast over fp32 master weights, periodic held-out loss, exact resume and an HF-layout export."""
+autocast (over float32 master weights, or a bfloat16 frozen LoRA base), periodic held-out loss, exact resume and
+an HF-layout export (LoRA merged on the CPU)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from dgemma.config import ModelConfig
+from dgemma.dtypes import native_bf16, parse_dtype
 from dgemma.errors import DgemmaError
 from dgemma.train import checkpoint as ckpt
 from dgemma.train.config import TrainConfig
@@ -42,19 +44,11 @@ def init_weights(model: torch.nn.Module, std: float) -> None:
                 module.weight.fill_(1.0)
 
 
-def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """bf16 where the hardware has fast bf16 matmuls; CPUs without AVX512-BF16 / AMX run bf16 ~10x slower."""
-    if precision == "fp32":
-        return None
-    if precision == "bf16":
-        return torch.bfloat16
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else None
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The training compute dtype: `auto` is bfloat16 where bf16 matmuls are native, else float32."""
+    if precision == "auto":
+        return torch.bfloat16 if native_bf16(device.type) else torch.float32
+    return parse_dtype(precision, "precision")
 
 
 def lr_factor(step: int, warmup: int, total: int, floor: float) -> float:
@@ -75,30 +69,15 @@ class Trainer:
         self.model_dir = _checkpoint_dir(cfg.model) if cfg.model else None
         self.tokenizer_dir = Path(cfg.tokenizer) if cfg.tokenizer else self.model_dir
         self.tokenizer = _load_tokenizer(self.tokenizer_dir)
-        self.model, self.peft = self._build_model()
+        dtype = compute_dtype(cfg.precision, self.device)
+        self.amp = dtype if dtype != torch.float32 else None  # bf16 autocast
+        self.model, self.peft = self._build_model(dtype)
         self.model_cfg: ModelConfig = self.model.cfg
         self._check_vocab()
-        c = self.model_cfg.canvas_length
-        self.eos = self.tokenizer.token_id(self.tokenizer.eos_token)
-        data = load_dataset(cfg.train_data, self.tokenizer, c, cfg.canvases, cfg.max_prompt, cfg.seed)
-        self.loader = Loader(data, cfg.batch_size, c, self.eos, cfg.seed)
-        self.valid = None
-        if cfg.valid_data:
-            vdata = load_dataset(cfg.valid_data, self.tokenizer, c, cfg.canvases, cfg.max_prompt, cfg.seed + 1)
-            n = min(len(vdata), cfg.eval_batches * cfg.batch_size)
-            self.valid = [collate([vdata.get(j, 0) for j in range(i, min(n, i + cfg.batch_size))], c, self.eos)
-                          for i in range(0, n, cfg.batch_size)]
+        self._load_data()
         self.objective = ObjectiveConfig(cfg.t_eps, cfg.self_cond_prob, cfg.ar_weight)
-        self.amp = autocast_dtype(cfg.precision, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        decay = [p for p in self.params if p.dim() >= 2]
-        no_decay = [p for p in self.params if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps)
-        floor = cfg.min_lr / cfg.lr
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, cfg.warmup, cfg.steps, floor))
+        self.optimizer, self.scheduler = _optimizer(self.params, cfg)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.step = 0
         self.tokens_seen = 0
@@ -109,22 +88,23 @@ class Trainer:
 
     # -- setup ---------------------------------------------------------------------------------------------------
 
-    def _build_model(self):
+    def _build_model(self, dtype: torch.dtype):
+        """Full training keeps float32 master weights; LoRA holds its frozen base in the compute dtype (bf16 halves
+        it) and its adapters in float32 (peft's autocast_adapter_dtype)."""
         from dgemma.model import DiffusionGemma
         from dgemma.weights import load_model
 
         cfg = self.cfg
+        torch.manual_seed(cfg.seed)  # the from-scratch initialisation and peft's LoRA A matrices
         if cfg.model_config is not None:
             hf = {"model_type": "diffusion_gemma", **cfg.model_config}
-            torch.manual_seed(cfg.seed)
             model = DiffusionGemma(ModelConfig.from_hf(hf))
             init_weights(model, cfg.init_std)
             model = model.to(self.device)
         else:
-            model = load_model(self.model_dir, dtype=torch.float32, device=self.device)
+            model = load_model(self.model_dir, dtype=dtype if cfg.lora else torch.float32, device=self.device)
         model.train()
-        for p in model.parameters():
-            p.requires_grad_(not cfg.lora)
+        model.requires_grad_(not cfg.lora)
         peft = None
         if cfg.lora:
             from dgemma.train.lora import apply_lora
@@ -132,6 +112,18 @@ class Trainer:
             modules, params = cfg.lora_target_names()
             peft = apply_lora(model, cfg.lora_r, cfg.lora_alpha, modules, params)
         return model, peft
+
+    def _load_data(self) -> None:
+        cfg, c = self.cfg, self.model_cfg.canvas_length
+        self.eos = self.tokenizer.token_id(self.tokenizer.eos_token)
+        data = load_dataset(cfg.train_data, self.tokenizer, c, cfg.canvases, cfg.max_prompt, cfg.seed)
+        self.loader = Loader(data, cfg.batch_size, c, self.eos, cfg.seed)
+        self.valid = None
+        if cfg.valid_data:
+            vdata = load_dataset(cfg.valid_data, self.tokenizer, c, cfg.canvases, cfg.max_prompt, cfg.seed + 1)
+            n = min(len(vdata), cfg.eval_batches * cfg.batch_size)
+            self.valid = [collate([vdata.get(j, 0) for j in range(i, min(n, i + cfg.batch_size))], c, self.eos)
+                          for i in range(0, n, cfg.batch_size)]
 
     def _check_vocab(self) -> None:
         vocab = self.model_cfg.text.vocab_size
@@ -221,45 +213,19 @@ class Trainer:
 
     def run(self) -> Path:
         """Train to cfg.steps (or cfg.max_minutes), checkpointing along the way; export and return out/final."""
+        self.fit()
+        return self.export()
+
+    def fit(self) -> None:
         from tqdm import tqdm
 
-        cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        (self.out / "train_config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
         logfile = (self.out / "log.jsonl").open("a")
-        bar = tqdm(total=cfg.steps, initial=self.step, disable=not self.progress, dynamic_ncols=True,
+        bar = tqdm(total=self.cfg.steps, initial=self.step, disable=not self.progress, dynamic_ncols=True,
                    mininterval=1.0, unit="step")
-        last_save, start, window = time.time(), time.time() - self.elapsed, []
         try:
-            while self.step < cfg.steps:
-                t0 = time.time()
-                stats = self.train_step()
-                window.append((stats["tokens"], time.time() - t0))
-                window = window[-20:]
-                self.elapsed = time.time() - start
-                tok_s = sum(n for n, _ in window) / max(1e-9, sum(dt for _, dt in window))
-                bar.update(1)
-                bar.set_postfix(loss=f"{stats['loss']:.3f}", diff=f"{stats['diffusion']:.3f}",
-                                ar=f"{stats['ar']:.3f}", tok_s=f"{tok_s:.0f}", refresh=False)
-                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
-                    self._log(logfile, {"step": self.step, **stats, "tok_s": tok_s,
-                                        "tokens_seen": self.tokens_seen, "elapsed": round(self.elapsed, 1)})
-                if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
-                    if (ev := self.evaluate()) is not None:
-                        record = {"step": self.step, "tokens_seen": self.tokens_seen, **ev}
-                        self.history.append(record)
-                        self._log(logfile, record)
-                        bar.write(f"step {self.step}: held-out diffusion {ev['eval_diffusion']:.4f}, "
-                                  f"autoregressive {ev['eval_ar']:.4f}")
-                timeout = cfg.max_minutes is not None and self.elapsed >= cfg.max_minutes * 60
-                due = (cfg.save_every and self.step % cfg.save_every == 0) or \
-                      time.time() - last_save >= cfg.save_minutes * 60
-                if due or timeout or self.step == cfg.steps:
-                    self.save()
-                    last_save = time.time()
-                if timeout:
-                    bar.write(f"stopping at step {self.step}: max_minutes={cfg.max_minutes} reached")
-                    break
+            self._loop(bar, logfile)
         except KeyboardInterrupt:
             bar.close()
             state = ckpt.latest_state(self.out / "checkpoints")
@@ -269,7 +235,43 @@ class Trainer:
         finally:
             bar.close()
             logfile.close()
-        return self.export()
+
+    def _loop(self, bar, logfile) -> None:
+        cfg = self.cfg
+        last_save, start, window = time.time(), time.time() - self.elapsed, []
+        while self.step < cfg.steps:
+            t0 = time.time()
+            stats = self.train_step()
+            window = (window + [(stats["tokens"], time.time() - t0)])[-20:]
+            self.elapsed = time.time() - start
+            tok_s = sum(n for n, _ in window) / max(1e-9, sum(dt for _, dt in window))
+            bar.update(1)
+            bar.set_postfix(loss=f"{stats['loss']:.3f}", diff=f"{stats['diffusion']:.3f}",
+                            ar=f"{stats['ar']:.3f}", tok_s=f"{tok_s:.0f}", refresh=False)
+            last = self.step == cfg.steps
+            if self.step % cfg.log_every == 0 or last:
+                self._log(logfile, {"step": self.step, **stats, "tok_s": tok_s,
+                                    "tokens_seen": self.tokens_seen, "elapsed": round(self.elapsed, 1)})
+            if cfg.eval_every and (self.step % cfg.eval_every == 0 or last):
+                self._evaluate_and_log(bar, logfile)
+            timeout = cfg.max_minutes is not None and self.elapsed >= cfg.max_minutes * 60
+            due = (cfg.save_every and self.step % cfg.save_every == 0) or \
+                time.time() - last_save >= cfg.save_minutes * 60
+            if due or timeout or last:
+                self.save()
+                last_save = time.time()
+            if timeout:
+                bar.write(f"stopping at step {self.step}: max_minutes={cfg.max_minutes} reached")
+                break
+
+    def _evaluate_and_log(self, bar, logfile) -> None:
+        if (ev := self.evaluate()) is None:
+            return
+        record = {"step": self.step, "tokens_seen": self.tokens_seen, **ev}
+        self.history.append(record)
+        self._log(logfile, record)
+        bar.write(f"step {self.step}: held-out diffusion {ev['eval_diffusion']:.4f}, "
+                  f"autoregressive {ev['eval_ar']:.4f}")
 
     def _log(self, f, record: dict[str, Any]) -> None:
         f.write(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in record.items()}) + "\n")
@@ -280,25 +282,35 @@ class Trainer:
     def generation_config(self) -> dict[str, Any]:
         tok = self.tokenizer
         eos = [i for i in (tok.token_id(tok.eos_token), tok.token_id("<end_of_turn>")) if i is not None]
-        base = None
-        if self.model_dir and (self.model_dir / "generation_config.json").is_file():
-            base = json.loads((self.model_dir / "generation_config.json").read_text())
         pad = tok.token_id("<pad>")
         return ckpt.generation_config(eos, 0 if pad is None else pad, tok.token_id(tok.bos_token) or 2,
-                                      self.cfg.generation, base)
+                                      self.cfg.generation, self.model_dir)
 
     def export(self) -> Path:
-        """out/final: a full HF-layout checkpoint (LoRA merged); with LoRA also out/adapter."""
-        from dgemma.train.lora import merged_copy, save_adapter
+        """out/final: a full HF-layout checkpoint; with LoRA also out/adapter, merged into the base on the CPU
+        (the training model is left as it is and never copied on its device)."""
+        from dgemma.train.lora import export_merged, save_adapter
 
-        dtype = torch.bfloat16 if self.cfg.save_dtype == "bfloat16" else torch.float32
-        model = self.model
-        if self.peft is not None:
-            tmp = self.out / "adapter.tmp"
-            save_adapter(self.peft, tmp, self.cfg.model)
-            ckpt.replace_dir(tmp, self.out / "adapter")
-            model = merged_copy(self.peft)
-        return ckpt.export_model(model, self.out / "final", self.tokenizer_dir, self.generation_config(), dtype)
+        dtype, final = parse_dtype(self.cfg.save_dtype), self.out / "final"
+        if self.peft is None:
+            return ckpt.export_model(self.model, final, self.tokenizer_dir, self.generation_config(), dtype)
+        tmp = self.out / "adapter.tmp"
+        save_adapter(self.peft, tmp, self.cfg.model)
+        ckpt.replace_dir(tmp, self.out / "adapter")
+        return export_merged(self.model_dir, self.out / "adapter", final, self.tokenizer_dir,
+                             self.generation_config(), dtype)
+
+
+def _optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig):
+    """AdamW (no weight decay on vectors) and its warmup + cosine schedule."""
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps)
+    floor = cfg.min_lr / cfg.lr
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup, cfg.steps, floor))
+    return optimizer, scheduler
 
 
 def _checkpoint_dir(model: str) -> Path:
