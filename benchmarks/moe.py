@@ -14,16 +14,15 @@ import json
 import statistics
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from dgemma.bench import matmul_peak  # noqa: E402
+from dgemma.bench.flops import matmul_peak  # noqa: E402
 from dgemma.config import TextConfig  # noqa: E402
 from dgemma.dtypes import native_bf16, parse_dtype  # noqa: E402
+from dgemma.instruments import KernelCounter  # noqa: E402
 from dgemma.model import moe  # noqa: E402
 from dgemma.model.layers import gelu_tanh, matmul  # noqa: E402
 
@@ -44,18 +43,6 @@ def old_forward(experts, x, weights, ids):
     unsorted = torch.empty_like(y)
     unsorted[order] = y
     return unsorted.view(t, k, -1).sum(1).to(x.dtype)
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts aten ops (each one a kernel launch or more on a GPU)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def setup(args, dtype):
@@ -94,7 +81,7 @@ def time_interleaved(variants: dict, inputs, repeats: int) -> dict[str, list[flo
 
 
 def count_ops(fn, inputs) -> int:
-    with OpCounter() as counter:
+    with KernelCounter(views=True) as counter:
         fn(*inputs)
     return sum(counter.ops.values())
 

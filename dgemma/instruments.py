@@ -38,16 +38,17 @@ class Recorder(TorchFunctionMode):
 
 
 class KernelCounter(TorchDispatchMode):
-    """aten ops run inside the region, views and metadata-only ops excluded: about one kernel launch each on
-    an accelerator."""
+    """aten ops run inside the region; without `views`, views and metadata-only ops are left out: about one
+    kernel launch each on an accelerator."""
 
-    def __init__(self):
+    def __init__(self, views: bool = False):
         super().__init__()
+        self.views = views
         self.ops: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not _is_view(func):
+        if self.views or not _is_view(func):
             self.ops[func.overloadpacket.__name__] += 1
         return out
 
