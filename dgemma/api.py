@@ -39,8 +39,9 @@ class Result:
 
 
 def load(path_or_repo: str | Path | None = None, dtype: str | torch.dtype = "auto",
-         device: str | torch.device = "cpu") -> Model:
-    """Load a checkpoint directory or cached Hugging Face repo id (default: the bundled demo model)."""
+         device: str | torch.device = "cpu", compile: bool = False) -> Model:
+    """Load a checkpoint directory or cached Hugging Face repo id (default: the bundled demo model).
+    `compile`: run the denoising pass (the per-step body) through torch.compile; off, nothing changes."""
     if path_or_repo is None:
         if not (DEMO_MODEL / "config.json").is_file():
             raise DgemmaError("the bundled demo model is missing from this install; pass --model PATH")
@@ -51,8 +52,11 @@ def load(path_or_repo: str | Path | None = None, dtype: str | torch.dtype = "aut
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as e:
         raise DgemmaError(f"device {device!s} is not available ({e})") from None
-    torch_dtype = _resolve_dtype(dtype, directory, device)
-    return Model(load_model(directory, torch_dtype, device), Tokenizer.maybe_load(directory), directory)
+    module = load_model(directory, _resolve_dtype(dtype, directory, device), device)
+    if compile:
+        # dynamic shapes: the cache view grows every canvas; a new batch size compiles once more
+        module.denoise = torch.compile(module.denoise, dynamic=True)
+    return Model(module, Tokenizer.maybe_load(directory), directory)
 
 
 AUTO_FLOAT32_BYTES = 4 << 30  # "auto" upcasts bf16 checkpoints up to this size where bf16 is slow

@@ -13,10 +13,12 @@ def add_model_options(p: argparse.ArgumentParser, dtype_help: str | None = None)
     p.add_argument("--dtype", default="auto", choices=("auto", *NAMES),
                    help=dtype_help or "weight dtype (auto: bfloat16 checkpoints stay bfloat16, else float32)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    p.add_argument("--compile", action="store_true", help="compile the denoising step's model pass with "
+                   "torch.compile (minutes of start-up; fewer kernel launches on accelerators)")
 
 
 def load_model_from_args(args: argparse.Namespace):
     """`dgemma.load` with the shared options."""
     from dgemma.api import load
 
-    return load(args.model, dtype=args.dtype, device=args.device)
+    return load(args.model, dtype=args.dtype, device=args.device, compile=args.compile)

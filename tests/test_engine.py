@@ -110,3 +110,16 @@ def test_autoregressive_engine_serves_requests_in_turn(model):
         pass
     assert a.finish_reason == "abort" and a.output == alone[0][:1]
     assert b.finish_reason == "length" and b.output == alone[1]
+
+
+@pytest.mark.slow
+def test_compiled_denoising_gives_the_same_tokens(tmp_path):
+    """`load(compile=True)` (`--compile`): the denoising pass through torch.compile, same tokens as eager over
+    several canvases (the grouped experts take their compile-safe path)."""
+    build_reference("c", tmp_path, spread=0.2, embed=10)
+    eager, compiled = dgemma.load(tmp_path), dgemma.load(tmp_path, compile=True)
+    c = eager.module.cfg.canvas_length
+    prompt = _prompt(eager)
+    assert compiled.module.denoise is not eager.module.denoise
+    expected = eager.generate(prompt, max_new_tokens=3 * c, seed=1).token_ids
+    assert compiled.generate(prompt, max_new_tokens=3 * c, seed=1).token_ids == expected

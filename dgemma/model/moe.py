@@ -35,10 +35,12 @@ class Router(nn.Module):
 
 
 def _grouped_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """torch._grouped_mm exists, takes this dtype (CUDA kernels: bf16 only; the CPU's any float), and the strides
-    meet its 16-byte alignment (needed by its backward)."""
+    """torch._grouped_mm exists, takes this dtype (CUDA kernels: bf16 only; the CPU's any float, but not under
+    torch.compile, whose shape function follows CUDA's), and the strides meet its 16-byte alignment (needed by its
+    backward)."""
     align = 16 // x.element_size()
-    dtype_ok = x.device.type == "cpu" or x.dtype == torch.bfloat16
+    cpu_any = x.device.type == "cpu" and not torch.compiler.is_compiling()
+    dtype_ok = cpu_any or x.dtype == torch.bfloat16
     return hasattr(torch, "_grouped_mm") and dtype_ok and w.shape[1] % align == 0 and w.shape[2] % align == 0
 
 
