@@ -5,8 +5,8 @@
 
 Old and new run interleaved on the same weights and routing (the machine may be shared: medians). bf16 weights
 on a CPU without native bf16 also run converted into fresh memory per call, against the reused workspace.
-Last stdout line: JSON {seconds per layer old/new (median and best), FLOPs, ratio to the square-matmul FLOP bound, aten ops per
-forward old/new, threads, CPU flags}.
+Last stdout line: JSON {seconds per layer old/new (median and best), FLOPs, ratio to the square-matmul FLOP
+bound, aten ops per forward old/new, threads, CPU flags}.
 """
 
 import argparse
@@ -102,7 +102,8 @@ def run_dtype(args, dtype, peak: float) -> dict:
     best = {k: min(v) for k, v in times.items()}  # like the peak, the best run: least disturbed by other load
     return {"seconds_per_layer": median, "seconds_per_layer_best": best,
             "ratio_to_flop_bound": {k: v / bound for k, v in median.items()},
-            "ratio_to_flop_bound_best": {k: v / bound for k, v in best.items()}, "flops": flops, "flop_bound_s": bound, "aten_ops_per_forward": ops, "max_abs_diff_old_new": diff}
+            "ratio_to_flop_bound_best": {k: v / bound for k, v in best.items()}, "flops": flops,
+            "flop_bound_s": bound, "aten_ops_per_forward": ops, "max_abs_diff_old_new": diff}
 
 
 def cpu_flags() -> list[str]:

@@ -64,10 +64,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--entropy-bound", type=float, help="entropy budget for accepting tokens per step")
     p.add_argument("--seed", type=int, help="random seed (same seed, same output)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--sampling", choices=["reference", "fast"], default="fast", help="reference: draw-for-draw as transformers; "
-                   "fast: per-request RNG (default: fast)")
-    p.add_argument("--mode", choices=["diffusion", "autoregressive"], default="diffusion", help="decode by diffusion (default) or "
-                   "autoregressively with the encoder")
+    p.add_argument("--sampling", choices=["reference", "fast"], default="fast",
+                   help="fast: continuous batching, per-request RNG (default); reference: transformers draw for draw")
+    p.add_argument("--mode", choices=["diffusion", "autoregressive"], default="diffusion",
+                   help="decode by diffusion (default) or autoregressively with the encoder")
     p.add_argument("--ar-temperature", type=float, help="autoregressive mode: sampling temperature (0 = greedy)")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print one JSON object: ids, text, statistics")

@@ -27,9 +27,9 @@ class StepOutput(NamedTuple):
 
 def temperature_schedule(n_steps: int, t_min: float, t_max: float, device=None) -> Tensor:
     """[n_steps] float32, entry i for steps_remaining = n_steps - i, bit-equal to HF `generate` (which
-    evaluates the schedule on an int32 tensor step, i.e. in float32; `temperature` differs by an ulp on
-    some steps: 0.4 + 0.4 * s / N in double precision). Divide logits by an entry (a 0-dim device tensor), not by a Python float: CUDA turns
-    `x / float` into `x * (1 / float)`."""
+    evaluates the schedule on an int32 tensor step, i.e. in float32; the same formula in double precision
+    differs by an ulp on some steps). Divide logits by an entry (a device tensor), not by a Python float:
+    CUDA turns `x / float` into `x * (1 / float)`."""
     steps = torch.arange(n_steps, 0, -1, dtype=torch.int32, device=device)
     return t_min + (t_max - t_min) * (steps / n_steps)
 
