@@ -98,6 +98,13 @@ BAD = [
     ("logprobs", X, {"messages": CHAT, "logprobs": True}, 400, "logprobs"),
     ("tools", X, {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("json mode", X, {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("functions", X, {"messages": CHAT, "functions": [{"name": "f"}]}, 400, "functions"),
+    ("function_call", X, {"messages": CHAT, "function_call": {"name": "f"}}, 400, "function_call"),
+    ("parallel tool calls", X, {"messages": CHAT, "parallel_tool_calls": True}, 400, "parallel_tool_calls"),
+    ("audio modality", X, {"messages": CHAT, "modalities": ["text", "audio"]}, 400, "modalities"),
+    ("audio", X, {"messages": CHAT, "audio": {"voice": "alloy", "format": "wav"}}, 400, "audio"),
+    ("prediction", X, {"messages": CHAT, "prediction": {"type": "content", "content": "x"}}, 400, "prediction"),
+    ("reasoning effort", X, {"messages": CHAT, "reasoning_effort": "high"}, 400, "reasoning_effort"),
     ("presence penalty", C, {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("logit bias", C, {"prompt": "hi", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
     ("echo", C, {"prompt": "hi", "echo": True}, 400, "echo"),
@@ -114,6 +121,23 @@ def test_bad_input(server, path, body, status, param):
     assert error["type"] == "invalid_request_error" and error["message"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_unknown_fields_are_named_in_a_header(server, stream):
+    """Fields OpenAI does not define are ignored and listed in X-Dgemma-Ignored-Fields; defaults of the refused
+    ones (text-only modalities, no parallel tool calls) are accepted."""
+    body = {"messages": CHAT, "max_tokens": 2, "stream": stream, "my_vendor_option": 1, "another": "x",
+            "modalities": ["text"], "parallel_tool_calls": False}
+    with httpx.stream("POST", server.url + X, json=body, timeout=60) as r:
+        r.read()
+    assert r.status_code == 200, r.text
+    assert r.headers["x-dgemma-ignored-fields"] == "another, my_vendor_option"
+    odd = httpx.post(server.url + X, json={"messages": CHAT, "max_tokens": 2, "é\r\nX-Evil: 1": 1, "ok": 2})
+    assert odd.status_code == 200 and odd.headers["x-dgemma-ignored-fields"] == "ok, +1 others"
+    assert "x-evil" not in odd.headers
+    plain = httpx.post(server.url + X, json={"messages": CHAT, "max_tokens": 2}, timeout=60)
+    assert plain.status_code == 200 and "x-dgemma-ignored-fields" not in plain.headers
 
 
 def test_context_overflow_states_both_counts_even_when_streaming(server):

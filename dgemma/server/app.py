@@ -128,10 +128,11 @@ def _metrics_route(api: APIRouter, service: Service) -> None:
 
 
 async def _respond(gen: Generation, body: Any, request: Request, chat: bool) -> Response:
+    ignored = {"X-Dgemma-Ignored-Fields": ", ".join(body.ignored_fields())} if body.ignored_fields() else {}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = Chunks(chat, gen.id, gen.created, gen.service.config.model_name, include_usage)
-        return EventStream(_events(gen, chunks), on_close=gen.close)
+        return EventStream(_events(gen, chunks), on_close=gen.close, headers=ignored)
     try:
         results = await _unless_disconnected(request, gen.collect())
     finally:
@@ -147,7 +148,7 @@ async def _respond(gen: Generation, body: Any, request: Request, chat: bool) -> 
             choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": reason})
     return JSONResponse({"id": gen.id, "object": "chat.completion" if chat else "text_completion",
                          "created": gen.created, "model": gen.service.config.model_name, "choices": choices,
-                         "usage": gen.usage()})
+                         "usage": gen.usage()}, headers=ignored)
 
 
 async def _events(gen: Generation, chunks: Chunks) -> AsyncIterator[bytes]:
@@ -179,9 +180,10 @@ def _data(obj: dict[str, Any]) -> bytes:
 class EventStream(StreamingResponse):
     """A server-sent-event response that runs `on_close` however it ends (done, error, client gone)."""
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]):
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None],
+                 headers: dict[str, str] | None = None):
         super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:

@@ -3,10 +3,14 @@ response and chunk shapes, and the error object. Field descriptions end up in /o
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
+
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
 
 def _valid_text(value: Any) -> Any:
     if isinstance(value, str):
@@ -48,7 +52,10 @@ class StreamOptions(_Strict):
 
 
 class OpenAIRequest(_Strict):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions. Fields OpenAI does not define are kept aside
+    (`ignored_fields`) and named in the response's X-Dgemma-Ignored-Fields header."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
 
     model: Text | None = Field(None, description="the served model's id (GET /v1/models); may be omitted")
     max_tokens: int | None = Field(None, ge=1, description="exact cap on generated tokens per choice")
@@ -78,6 +85,12 @@ class OpenAIRequest(_Strict):
         if self.logit_bias:
             return "logit_bias", "logit bias"
         return None
+
+    def ignored_fields(self) -> list[str]:
+        """Names of the ignored fields, as safe header text: plain names (at most 16), then "+N others"."""
+        names = sorted(self.model_extra or ())
+        plain = [n for n in names if _PLAIN_NAME.fullmatch(n)][:16]
+        return plain + ([f"+{len(names) - len(plain)} others"] if len(names) > len(plain) else [])
 
 
 class CompletionRequest(OpenAIRequest):
@@ -124,6 +137,15 @@ class ChatCompletionRequest(OpenAIRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Text | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # defined by OpenAI, not done here: refused when they ask for something
+    functions: list[dict[str, Any]] | None = None
+    function_call: Text | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[Text] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: Text | None = None
+    web_search_options: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.logprobs or self.top_logprobs:
@@ -134,7 +156,17 @@ class ChatCompletionRequest(OpenAIRequest):
             return "tool_choice", "tool calling"
         if self.response_format and self.response_format.get("type") != "text":
             return "response_format", "structured output"
-        return super().unsupported()
+        return self._unsupported_extras() or super().unsupported()
+
+    def _unsupported_extras(self) -> tuple[str, str] | None:
+        asks = {
+            "functions": bool(self.functions), "function_call": self.function_call not in (None, "none", "auto"),
+            "parallel_tool_calls": bool(self.parallel_tool_calls),
+            "modalities": self.modalities not in (None, ["text"]), "audio": self.audio is not None,
+            "prediction": self.prediction is not None, "reasoning_effort": self.reasoning_effort is not None,
+            "web_search_options": self.web_search_options is not None,
+        }
+        return next(((name, name.replace("_", " ")) for name, asked in asks.items() if asked), None)
 
     def chat(self) -> list[dict[str, str]]:
         """Messages for the chat template; "developer" is the newer name of "system"."""
