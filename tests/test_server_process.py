@@ -61,6 +61,7 @@ def test_sigterm_drains_and_exits_cleanly(checkpoint):
         assert wait_until(lambda: httpx.get(url + "/health").status_code == 200, 60)
         assert httpx.get(url + "/v1/models", headers={"authorization": "Bearer wrong-key-77"}).status_code == 401
         assert httpx.get(url + "/v1/models", headers=auth).status_code == 200
+        assert httpx.get(url + "/v1/models?api_key=query-key-31&x=1").status_code == 401  # keys only as bearer
         out: dict = {}
         long = threading.Thread(target=_stream, args=(url, {"prompt": "Hello", "max_tokens": 100_000, "stream": True},
                                                       out, "long"))
@@ -86,6 +87,7 @@ def test_sigterm_drains_and_exits_cleanly(checkpoint):
         text = "".join(log)
         assert "Shutting down" in text or "shutdown" in text.lower()
         assert KEY not in text and "second-key" not in text and "wrong-key-77" not in text
+        assert "query-key-31" not in text and "/v1/models?api_key=***&x=***" in text  # logged, redacted
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from dgemma.server.app import create_app
-    from dgemma.server.security import MAX_HEADER_BYTES
+    from dgemma.server.security import MAX_HEADER_BYTES, RedactQuery
 
     config = config_from_args(args)
     _check_model(args.model)
@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     uv = uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log, http="h11",
                         lifespan="on", server_header=False, h11_max_incomplete_event_size=MAX_HEADER_BYTES * 2,
                         timeout_graceful_shutdown=int(config.shutdown_timeout) + 5)
+    logging.getLogger("uvicorn.access").addFilter(RedactQuery())
     server = _uvicorn_server(uv, on_signal=app.state.service.begin_drain)
     host, port = sock.getsockname()[:2]
     log.info("serving %s on http://%s:%d (API key %s)", config.model_name, _url_host(host), port,

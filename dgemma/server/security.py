@@ -1,10 +1,13 @@
 """API keys (constant-time, enforced as a dependency of every protected route, never by looking at the URL),
-refusal of foreign Host headers on loopback binds (DNS rebinding), header and body size caps, and opt-in CORS."""
+refusal of foreign Host headers on loopback binds (DNS rebinding), header and body size caps, opt-in CORS, and
+query strings kept out of the access log (a client may put a key there)."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -125,3 +128,17 @@ async def _send_error(send: Send, status: int, message: str, code: str) -> None:
     status, headers, body = json_error(status, message, code)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+class RedactQuery(logging.Filter):
+    """Uvicorn's access lines with every query value replaced by "***" (the API takes none; a client that sends
+    `?api_key=...` must not have it written to the log)."""
+
+    _VALUE = re.compile(r"=[^&#\s]*")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and "?" in args[2]:
+            path, query = args[2].split("?", 1)
+            record.args = (*args[:2], f"{path}?{self._VALUE.sub('=***', query)}", *args[3:])
+        return True
