@@ -10,19 +10,18 @@ from typing import Any
 
 import torch
 
-from dgemma.engine import AutoregressiveEngine, Engine, OutputStream, ReferenceRunner, Request, StreamEvent
 from dgemma.dtypes import native_bf16, parse_dtype
+from dgemma.engine import AutoregressiveEngine, Engine, OutputStream, ReferenceRunner, Request, StreamEvent
 from dgemma.errors import DgemmaError
-from dgemma.sampling import Limits, SamplingParams, SamplingParamsError
 from dgemma.jsonfile import read_json
+from dgemma.options import MODES, SAMPLINGS
+from dgemma.sampling import Limits, SamplingParams, SamplingParamsError
 from dgemma.tokenizer import Tokenizer
 from dgemma.weights import load_model, resolve_checkpoint
 
 DEMO_MODEL = Path(__file__).parent / "assets" / "demo"
 
 Prompt = str | list[int] | list[dict[str, Any]]
-MODES = ("diffusion", "autoregressive")
-SAMPLINGS = ("fast", "reference")
 
 
 @dataclass

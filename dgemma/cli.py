@@ -8,7 +8,7 @@ import logging
 import sys
 
 from dgemma.errors import DgemmaError
-from dgemma.options import add_model_options, load_model_from_args
+from dgemma.options import SAMPLINGS, add_mode_option, add_model_options, load_model_from_args
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -64,10 +64,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--entropy-bound", type=float, help="entropy budget for accepting tokens per step")
     p.add_argument("--seed", type=int, help="random seed (same seed, same output)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--sampling", choices=["reference", "fast"], default="fast",
+    p.add_argument("--sampling", choices=SAMPLINGS, default=SAMPLINGS[0],
                    help="fast: continuous batching, per-request RNG (default); reference: transformers draw for draw")
-    p.add_argument("--mode", choices=["diffusion", "autoregressive"], default="diffusion",
-                   help="decode by diffusion (default) or autoregressively with the encoder")
+    add_mode_option(p)
     p.add_argument("--ar-temperature", type=float, help="autoregressive mode: sampling temperature (0 = greedy)")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print one JSON object: ids, text, statistics")

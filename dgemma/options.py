@@ -1,10 +1,14 @@
-"""The model-loading options every command shares (`--model`, `--dtype`, `--device`), declared once."""
+"""The options commands share, declared once: model loading (`--model`, `--dtype`, `--device`, `--compile`) and
+the decoding mode; and the names of the decoding modes and samplings (no torch import here: `--help` stays fast)."""
 
 from __future__ import annotations
 
 import argparse
 
 from dgemma.dtypes import NAMES
+
+MODES = ("diffusion", "autoregressive")
+SAMPLINGS = ("fast", "reference")
 
 
 def add_model_options(p: argparse.ArgumentParser, dtype_help: str | None = None) -> None:
@@ -22,3 +26,8 @@ def load_model_from_args(args: argparse.Namespace):
     from dgemma.api import load
 
     return load(args.model, dtype=args.dtype, device=args.device, compile=args.compile)
+
+
+def add_mode_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", choices=MODES, default=MODES[0],
+                   help="decode by block diffusion (default) or autoregressively with the encoder")

@@ -84,6 +84,7 @@ class _Running:
         self.sync_free = sync_free
         self.peak = torch.full((n,), -math.inf, **f32)  # running max of the base-2 scores
         self.mass = torch.zeros(n, **f32)  # sum of 2^(s - peak)
+        self.decay = torch.ones(n, **f32)  # the last chunk's rescaling of the running sums
         self.moment = torch.zeros(n, **f32)  # sum of 2^(s - peak) * (s - peak)
         self.soft = torch.zeros(n, hidden, **f32)
         self.best = torch.full((n,), -math.inf, **f32)

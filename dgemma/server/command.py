@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from dgemma.errors import DgemmaError
-from dgemma.options import add_model_options, load_model_from_args
+from dgemma.options import add_mode_option, add_model_options, load_model_from_args
 from dgemma.server.config import ServerConfig
 
 log = logging.getLogger("dgemma.server")
@@ -22,8 +22,7 @@ KEY_ENV = "DGEMMA_API_KEY"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_options(p)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--mode", choices=["diffusion", "autoregressive"], default="diffusion",
-                   help="decode by block diffusion (default) or autoregressively with the encoder")
+    add_mode_option(p)
     p.add_argument("--served-model-name", help="model id clients send (default: the directory's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port, printed at start)")

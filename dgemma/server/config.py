@@ -6,6 +6,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from dgemma.errors import ConfigError
+from dgemma.options import MODES
 from dgemma.sampling.params import Limits
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -45,8 +46,8 @@ class ServerConfig:
             raise ConfigError("--shutdown-timeout must be >= 0")
         if any(not k for k in self.api_keys):
             raise ConfigError("--api-key must not be empty")
-        if self.mode not in ("diffusion", "autoregressive"):
-            raise ConfigError(f"--mode {self.mode!r} must be diffusion or autoregressive")
+        if self.mode not in MODES:
+            raise ConfigError(f"--mode {self.mode!r} must be one of {', '.join(MODES)}")
 
     @property
     def limits(self) -> Limits:
