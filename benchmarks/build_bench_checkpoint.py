@@ -53,18 +53,19 @@ def bench_config(hidden: int = 256, layers: int = 4, vocab: int = 262_144, canva
 @torch.no_grad()
 def randomise(model: DiffusionGemma, seed: int) -> None:
     """Norm weights and scales near 1, matrices ~ N(0, 1/fan_in), embedding N(0, 0.5^2): peaked but not
-    one-hot token distributions after the tied head and softcap. Deterministic for a given seed."""
-    g = torch.Generator().manual_seed(seed)
+    one-hot token distributions after the tied head and softcap. Deterministic for a given seed and device (the
+    draws happen where the weights are)."""
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, p in sorted(model.named_parameters()):
         if name == "embed_tokens.weight":
             p.normal_(0.0, 0.5, generator=g)
         elif p.dim() == 1:  # norm weights, router scale, per-expert scale
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g, device=p.device))
         else:
             p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=g)
     for name, b in sorted(model.named_buffers()):
         if name.endswith("layer_scalar"):
-            b.copy_(0.75 + 0.5 * torch.rand(b.shape, generator=g))
+            b.copy_(0.75 + 0.5 * torch.rand(b.shape, generator=g, device=b.device))
 
 
 def build(out: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **shape) -> dict:

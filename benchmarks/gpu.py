@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from build_bench_checkpoint import randomise  # noqa: E402
 from dgemma.config import FULL, SLIDING, ModelConfig, TextConfig  # noqa: E402
 from dgemma.dtypes import NAMES, parse_dtype  # noqa: E402
 from dgemma.engine import AutoregressiveEngine, Engine  # noqa: E402
@@ -53,23 +55,14 @@ def shape(name: str, tiny: bool) -> ModelConfig:
 
 @torch.no_grad()
 def build(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> DiffusionGemma:
-    """Random weights made on the device: matrices ~ N(0, 1/fan_in), norms near 1, embedding N(0, 0.5^2)."""
+    """Random weights made on the device, initialised as the benchmark checkpoint's (`randomise`)."""
     with torch.device("meta"):
         model = DiffusionGemma(cfg)
     model = model.to_empty(device=device).to(dtype).eval()
-    torch.manual_seed(0)
-    for name, p in model.named_parameters():
-        if name == "embed_tokens.weight":
-            p.normal_(0.0, 0.5)
-        elif p.dim() == 1:
-            p.copy_(1.0 + 0.1 * torch.randn_like(p))
-        else:
-            p.normal_(0.0, p.shape[-1] ** -0.5)
-    for block in model.layers:
+    randomise(model, 0)
+    for block in model.layers:  # to_empty left the rotary buffers unset
         attn = block.self_attn
         attn.inv_freq.copy_(rope_inv_freq(cfg.text.rope(attn.sliding), attn.head_dim))
-        block.layer_scalar.fill_(1.0)
-        block.encoder_layer_scalar.fill_(1.0)
     return model
 
 
