@@ -33,7 +33,6 @@ class AutoregressiveEngine(Runner):
     @torch.inference_mode()
     def step(self) -> list[Event]:
         """One token of the current request (starting the next waiting one first if none runs)."""
-        self.waiting = [r for r in self.waiting if not r.finished]
         if self.current is None or self.current[0].finished:
             self.current = self._start(self.waiting.pop(0)) if self.waiting else None
         if self.current is None:

@@ -111,7 +111,6 @@ class Engine(Runner):
 
     def _admit(self) -> None:
         room = self.max_batch - (0 if self.batch is None else len(self.batch.rows))
-        self.waiting = [r for r in self.waiting if not r.finished]  # aborted while waiting
         rows, self.waiting = self.waiting[:room], self.waiting[room:]
         if not rows:
             return

@@ -42,6 +42,7 @@ class Runner:
         for req in self.held():
             if req.id == request_id and not req.finished:
                 req.finish("abort")
+        self.waiting = [r for r in self.waiting if r.id != request_id]
 
     def step(self) -> list[Event]:
         raise NotImplementedError
