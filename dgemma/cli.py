@@ -86,7 +86,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     wanted = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
     for name, module, help in (("serve", "dgemma.server.command", "serve an OpenAI-compatible HTTP API"),
                                ("train", "dgemma.train.command", "train or fine-tune (full or LoRA)"),
-                               ("bench", "dgemma.bench", "benchmark dgemma against the reference and AR decoding")):
+                               ("bench", "dgemma.bench", "benchmark dgemma against the reference and AR decoding"),
+                               ("quantize", "dgemma.convert", "write a quantized (compressed-tensors) checkpoint")):
         _add_delegated(sub, name, module, help, load=name == wanted)
     return parser
 
