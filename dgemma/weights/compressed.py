@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import save_file
 
 from dgemma.errors import DgemmaError
-from dgemma.quant import IntWeight, QuantizedWeight, parse_quantize, unpack_int4
-from dgemma.weights.hf import checkpoint_name, load_model, resolve_checkpoint
+from dgemma.quant import IntWeight, QuantizedWeight, unpack_int4
+from dgemma.weights.hf import checkpoint_name
 
 SHARD_BYTES = 2 << 30
 
