@@ -41,6 +41,7 @@ _FLAGS = {
     "--seed": ("seed", int, "seed of the initialisation, data order and noise"),
     "--device": ("device", str, "torch device (cpu, cuda)"),
     "--threads": ("threads", int, "CPU threads (1 is fastest on a busy 2-core machine)"),
+    "--quantize": ("quantize", str, "with --lora (QLoRA): quantize the frozen base while loading: int8 or int4"),
 }
 
 

@@ -54,6 +54,7 @@ class TrainConfig:
     lora_r: int = 16
     lora_alpha: int = 32
     lora_targets: list[str] = field(default_factory=lambda: ["attention", "mlp"])
+    quantize: str | None = None  # QLoRA: the frozen base quantized on load (int8 | int4, see dgemma.quant.spec)
     # bookkeeping
     out: str = "runs/train"
     seed: int = 0
@@ -83,6 +84,15 @@ class TrainConfig:
             raise ConfigError("training from scratch needs tokenizer (a directory with tokenizer.json)")
         if self.lora and self.model is None:
             raise ConfigError("lora needs model (the checkpoint the adapter is trained on and merged into)")
+        if self.quantize is not None:
+            from dgemma.quant.spec import parse_quantize
+
+            parse_quantize(self.quantize)
+            if not self.lora:
+                raise ConfigError("quantize needs lora: a quantized base is frozen, only adapters train (QLoRA)")
+            if any(t == "experts" or t.startswith("experts.") for t in self.lora_targets):
+                raise ConfigError("LoRA on experts needs float expert weights: drop experts from lora_targets "
+                                  "or drop quantize")
         for name in ("steps", "batch_size", "grad_accum", "canvases", "max_prompt", "lora_r", "eval_batches",
                      "keep_checkpoints", "log_every"):
             value = getattr(self, name)

@@ -92,6 +92,7 @@ class Trainer:
         """Full training keeps float32 master weights; LoRA holds its frozen base in the compute dtype (bf16 halves
         it) and its adapters in float32 (peft's autocast_adapter_dtype)."""
         from dgemma.model import DiffusionGemma
+        from dgemma.quant import parse_quantize
         from dgemma.weights import load_model
 
         cfg = self.cfg
@@ -102,7 +103,8 @@ class Trainer:
             init_weights(model, cfg.init_std)
             model = model.to(self.device)
         else:
-            model = load_model(self.model_dir, dtype=dtype if cfg.lora else torch.float32, device=self.device)
+            model = load_model(self.model_dir, dtype=dtype if cfg.lora else torch.float32, device=self.device,
+                               quantize=parse_quantize(cfg.quantize))
         model.train()
         model.requires_grad_(not cfg.lora)
         peft = None
