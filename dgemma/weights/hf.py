@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import re
+import struct
 from pathlib import Path
 
 import torch
@@ -131,10 +132,10 @@ def load_model(path_or_repo: str | Path, dtype: torch.dtype = torch.float32,
 def _materialise(model, by_ckpt, targets, files, sources, quantize, dtype, device) -> None:
     """Every tensor of the checkpoint into the meta model: pre-quantized pieces, quantize-on-load, or plain."""
     handles: dict[Path, object] = {}
+    direct: dict[Path, DirectReader] = {}
 
     def get(name: str) -> torch.Tensor:
-        f = handles.setdefault(files[name], _open(files[name]))
-        return _read(f, name, files[name], None, device)
+        return direct.setdefault(files[name], DirectReader(files[name])).get(name).to(device)
 
     for ckpt_name, param in by_ckpt.items():
         if ckpt_name in sources:
@@ -154,6 +155,39 @@ def _materialise(model, by_ckpt, targets, files, sources, quantize, dtype, devic
             continue
         _assign(model, param, _read(f, ckpt_name, files[ckpt_name], dtype, device), targets[param][0], dtype,
                 device)
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+class DirectReader:
+    """Tensors of one safetensors file read with plain file reads, not through the memory map: loading a large
+    pre-quantized checkpoint then never counts the file's pages in the process's resident memory."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                n = struct.unpack("<Q", f.read(8))[0]
+                self.header = json.loads(f.read(n))
+        except (OSError, ValueError, struct.error) as e:
+            raise CheckpointError(f"{path.name}: corrupt or truncated safetensors file ({e})") from None
+        self.base = 8 + n
+
+    def get(self, name: str) -> torch.Tensor:
+        info = self.header[name]
+        lo, hi = info["data_offsets"]
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{self.path.name}: tensor {name} has unsupported dtype {info['dtype']}")
+        out = torch.empty(hi - lo, dtype=torch.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(self.base + lo)
+            if f.readinto(out.numpy()) != hi - lo:
+                raise CheckpointError(f"{self.path.name}: truncated tensor {name}")
+        return out.view(dtype).reshape(info["shape"])
 
 
 def _prequantized(directory: Path, files, by_ckpt, targets, quantize) -> tuple[dict[str, list[str]], set[str]]:
