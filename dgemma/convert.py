@@ -11,8 +11,8 @@ from pathlib import Path
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="source checkpoint (default: the bundled demo model)")
     p.add_argument("--to", required=True, metavar="SCHEME",
-                   help="int4 or int8 (group-wise symmetric, 32 columns per scale; int4:128 sets the group, "
-                        "int4+emb8 / +embfp keep the embedding in int8 / float)")
+                   help="int4, int8 (group-wise symmetric, 32 columns per scale; int4:128 sets the group, "
+                        "int4+emb8 / +embfp keep the embedding in int8 / float) or nvfp4 (embedding in float)")
     p.add_argument("--out", required=True, help="output directory (must not exist, or be empty)")
 
 

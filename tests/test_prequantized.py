@@ -224,7 +224,7 @@ def test_broken_quantized_files_are_one_line_errors(float_ckpt, tmp_path, case, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", ["int4", "int8:16+embfp"])
+@pytest.mark.parametrize("scheme", ["int4", "int8:16+embfp", "nvfp4"])
 def test_dgemma_quantize_round_trip(float_ckpt, tmp_path, scheme):
     """`dgemma quantize` writes files that dgemma reloads with identical logits and that compressed-tensors
     decompresses to dgemma's weights bit for bit (in the file's scale dtype)."""
@@ -244,7 +244,7 @@ def test_dgemma_quantize_round_trip(float_ckpt, tmp_path, scheme):
         tensors.update(load_file(str(f)))
     prefix = "model.decoder.layers.1.experts.3.up_proj"
     group = next(g for g in config["config_groups"].values() if any("experts" in t for t in g["targets"]))
-    comp = BaseCompressor.load_from_registry("pack-quantized")
+    comp = BaseCompressor.load_from_registry(group["format"])
     state = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
     dense = comp.decompress(state, QuantizationScheme.model_validate(group))["weight"]
     ours = _expert_rows(reloaded.module.layers[1].experts.gate_up_proj, 3, "up_proj")

@@ -48,7 +48,7 @@ def test_qlora_trains_only_adapters_over_a_frozen_int4_base(tmp_path):
 @pytest.mark.parametrize("over,message", [
     (dict(lora=False), "quantize needs lora"),
     (dict(lora_targets=["attention", "experts"]), "LoRA on experts needs float expert weights"),
-    (dict(quantize="int5"), "expected int8 or int4"),
+    (dict(quantize="int5"), "expected int8, int4 or nvfp4"),
 ])
 def test_qlora_config_errors(tmp_path, over, message):
     with pytest.raises(ConfigError, match=message):

@@ -16,6 +16,8 @@ per-row / per-16 scales).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from dgemma.errors import CheckpointError
@@ -92,3 +94,39 @@ def _check_nvfp4(name: str, packed: torch.Tensor, scales: torch.Tensor, global_s
     if global_scale.shape != (*packed.shape[:-1], 1):
         raise CheckpointError(f"{name}: global scale of shape {list(global_scale.shape)}, expected "
                               f"{[*packed.shape[:-1], 1]}")
+
+
+_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between the E2M1 magnitudes: round to nearest
+
+
+def quantize_nvfp4(w: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float w [*, N, K] at a given global scale (compressed-tensors' convention: 448 * 6 / max|w|) -> (codes packed
+    two a byte, float8 block scales [*, N, K / 16]); the weight is e2m1 * (scale / global)."""
+    blocks = w.float().unflatten(-1, (-1, NVFP4_GROUP))
+    scales = (blocks.abs().amax(-1) / 6.0 * global_scale).clamp(max=448.0).to(torch.float8_e4m3fn)
+    step = (scales.float() / global_scale)[..., None]
+    x = torch.where(step > 0, blocks / step, 0.0)
+    mids = torch.tensor(_MIDPOINTS, device=w.device)
+    codes = torch.bucketize(x.abs(), mids).to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
+    codes = codes.flatten(-2)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), scales
+
+
+def nvfp4_weight(rows, shape: tuple[int, ...], dtype: torch.dtype, device, name: str = "weight") -> NVFP4Weight:
+    """NVFP4 from a row reader (as `int_weight`): one global scale per 2D slab (per expert for a stack), from a first
+    pass over its rows, then the codes a chunk at a time."""
+    if shape[-1] % NVFP4_GROUP:
+        raise CheckpointError(f"{name}: {shape[-1]} columns are not a multiple of NVFP4's group of {NVFP4_GROUP}")
+    lead, (n, k) = shape[:-2], shape[-2:]
+    slabs = max(1, math.prod(lead))
+    packed = torch.empty(slabs, n, k // 2, dtype=torch.uint8, device=device)
+    scales = torch.empty(slabs, n, k // NVFP4_GROUP, dtype=torch.float8_e4m3fn, device=device)
+    glob = torch.empty(slabs, n, 1, dtype=torch.float32, device=device)
+    for i in range(slabs):
+        w = rows(i, i + 1).to(device).reshape(n, k) if lead else rows(0, n).to(device)
+        g = 448.0 * 6.0 / w.float().abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
+        packed[i], scales[i] = quantize_nvfp4(w, g)
+        glob[i] = g
+    shape_out = (*lead, n)
+    return NVFP4Weight(packed.view(*shape_out, -1), scales.view(*shape_out, -1), glob.view(*shape_out, 1), dtype,
+                       True, name)

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from dgemma.errors import DgemmaError
-from dgemma.quant import IntWeight, QuantizedWeight, unpack_int4
+from dgemma.quant import IntWeight, NVFP4Weight, QuantizedWeight, unpack_int4
 from dgemma.weights.hf import checkpoint_name
 
 SHARD_BYTES = 2 << 30
@@ -36,8 +36,14 @@ def ct_pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return padded.contiguous().view(torch.int32)
 
 
-def linear_tensors(prefix: str, w: IntWeight) -> dict[str, torch.Tensor]:
-    """The compressed-tensors tensors of one 2D IntWeight."""
+def linear_tensors(prefix: str, w: IntWeight | NVFP4Weight) -> dict[str, torch.Tensor]:
+    """The compressed-tensors tensors of one 2D weight (pack-quantized int, or nvfp4-pack-quantized)."""
+    if isinstance(w, NVFP4Weight):
+        glob = w.global_scale.cpu()
+        if not torch.equal(glob, glob[:1].expand_as(glob)):
+            raise DgemmaError(f"{prefix}: one linear needs one NVFP4 global scale")
+        return {f"{prefix}.weight_packed": w.packed.cpu(), f"{prefix}.weight_scale": w.scales.cpu(),
+                f"{prefix}.weight_global_scale": glob[0].reshape(1)}
     codes = w.qweight if w.bits == 8 else unpack_int4(w.qweight, w.group_size)
     return {f"{prefix}.weight_packed": ct_pack(codes.cpu(), w.bits), f"{prefix}.weight_scale": w.scales.cpu(),
             f"{prefix}.weight_shape": torch.tensor(list(w.shape), dtype=torch.int64)}
@@ -48,38 +54,48 @@ def module_tensors(param: str, value) -> dict[str, torch.Tensor]:
     name = checkpoint_name(param)
     if not isinstance(value, QuantizedWeight):
         return {name: value.detach().cpu().contiguous()}
-    if not isinstance(value, IntWeight):
+    if not isinstance(value, (IntWeight, NVFP4Weight)):
         raise DgemmaError(f"{name}: writing {value.format} weights is not supported")
-    if value.qweight.dim() == 2:
+    if len(value.shape) == 2:
         return linear_tensors(name.removesuffix(".weight"), value)
     out = {}
     base = name.rsplit(".", 1)[0]
     for e in range(value.shape[0]):
-        expert = value.rebuild({"qweight": value.qweight[e], "scales": value.scales[e]})
+        expert = _take(value, lambda t: t[e])
         if name.endswith("gate_up_proj"):
             half = expert.shape[0] // 2
             for k, rows in (("gate_proj", slice(0, half)), ("up_proj", slice(half, None))):
-                part = expert.rebuild({"qweight": expert.qweight[rows], "scales": expert.scales[rows]})
-                out.update(linear_tensors(f"{base}.{e}.{k}", part))
+                out.update(linear_tensors(f"{base}.{e}.{k}", _take(expert, lambda t: t[rows])))
         else:
             out.update(linear_tensors(f"{base}.{e}.down_proj", expert))
     return out
 
 
+def _take(w: QuantizedWeight, index) -> QuantizedWeight:
+    """The same weight over `index` of each persistent buffer (one expert, or some rows)."""
+    return w.rebuild({n: index(t) for n, t in w.state_dict().items()})
+
+
 def quantization_config(model) -> dict:
     """config.json's quantization_config: one group per (bits, group size) in use, targets by module name."""
-    groups: dict[tuple[int, int], list[str]] = {}
+    groups: dict[tuple[str, int, int], list[str]] = {}
     for n, m in model.named_modules():
-        if isinstance(m, IntWeight):
-            groups.setdefault((m.bits, m.group_size), []).append(n)
+        if isinstance(m, (IntWeight, NVFP4Weight)):
+            groups.setdefault((m.format, 4 if m.format == "nvfp4" else m.bits, m.group_size), []).append(n)
     config_groups = {
         f"group_{i}": {"targets": sorted({f"re:.*{_target(n)}$" for n in names}),
-                       "weights": {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "group",
-                                   "group_size": group, "dynamic": False, "observer": "minmax"},
-                       "input_activations": None, "output_activations": None, "format": "pack-quantized"}
-        for i, ((bits, group), names) in enumerate(sorted(groups.items()))}
-    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-            "config_groups": config_groups, "ignore": ["re:.*router.*"], "producer": "dgemma quantize"}
+                       "weights": {"num_bits": bits, "type": "float" if fmt == "nvfp4" else "int", "symmetric": True,
+                                   "strategy": "tensor_group" if fmt == "nvfp4" else "group", "group_size": group,
+                                   "dynamic": False, "observer": "minmax"},
+                       "input_activations": None, "output_activations": None, "format": _FORMATS[fmt]}
+        for i, ((fmt, bits, group), names) in enumerate(sorted(groups.items()))}
+    formats = {g["format"] for g in config_groups.values()}
+    return {"quant_method": "compressed-tensors", "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+            "quantization_status": "compressed", "config_groups": config_groups, "ignore": ["re:.*router.*"],
+            "producer": "dgemma quantize"}
+
+
+_FORMATS = {"int4": "pack-quantized", "int8": "pack-quantized", "nvfp4": "nvfp4-pack-quantized"}
 
 
 def _target(module: str) -> str:
