@@ -47,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--windows", type=int, default=None, help="first N held-out windows (default: all)")
     p.add_argument("--canvases", type=int, default=2)
     p.add_argument("--max-prompt", type=int, default=64)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     results, batches = {}, None
     for scheme in args.schemes.split(","):
