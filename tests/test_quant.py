@@ -177,3 +177,11 @@ def test_cli_quantize_flag_and_error():
     assert json.loads(ok.stdout)["quantization"] == f"int8 g32: {tensors} tensors"
     bad = subprocess.run(run + ["int5"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "int5" in bad.stderr
+
+
+def test_quantized_model_is_not_saved_as_float(tmp_path):
+    from dgemma.weights import save_model
+
+    with pytest.raises(CheckpointError, match="holds quantized weights"):
+        save_model(dgemma.load(None, quantize="int8").module, tmp_path / "x")
+    assert not (tmp_path / "x").exists()

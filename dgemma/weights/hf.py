@@ -266,6 +266,9 @@ def _init_derived(model: DiffusionGemma, device) -> None:
 
 def save_model(model: DiffusionGemma, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write config.json and model.safetensors in the layout the reference loads (decoder + encoder scalars)."""
+    if any(isinstance(m, QuantizedWeight) for m in model.modules()):
+        raise CheckpointError("this model holds quantized weights: write it with `dgemma quantize` "
+                              "(weights.compressed.save_compressed), not as a float checkpoint")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {}
