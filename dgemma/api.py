@@ -16,6 +16,7 @@ from dgemma.errors import DgemmaError
 from dgemma.jsonfile import read_json
 from dgemma.options import MODES, SAMPLINGS
 from dgemma.sampling import Limits, SamplingParams, SamplingParamsError
+from dgemma.sampling.constraints import GrammarVocab, shared_vocab
 from dgemma.tokenizer import Tokenizer
 from dgemma.weights import load_model, resolve_checkpoint
 
@@ -123,6 +124,15 @@ class Model:
         params.validate(self.module.cfg.text.vocab_size, self.max_context, len(ids), limits)
         if params.stop and self.tokenizer is None:
             raise SamplingParamsError("stop strings need a tokenizer; this checkpoint has none", "stop")
+        if params.grammar is not None:  # a matcher for this grammar: it must be able to match something
+            self.grammar_vocab(params.grammar.param).matcher(params.grammar, params.eos_token_ids or ())
+
+    def grammar_vocab(self, param: str = "grammar") -> GrammarVocab:
+        """The vocabulary as the grammar engine sees it (built on first use)."""
+        if self.tokenizer is None:
+            raise SamplingParamsError("constrained output needs a tokenizer; this checkpoint has none", param)
+        return shared_vocab(self, self.tokenizer.tok.to_str(), self.module.cfg.text.vocab_size,
+                            self.defaults.eos_token_ids or ())
 
     # ---- generation -------------------------------------------------------------------------------------
     def generate(self, prompt: Prompt | list[Prompt], mode: str = "diffusion", sampling: str = "fast",
@@ -149,10 +159,14 @@ class Model:
             bad, name, names = (("mode", mode, MODES) if mode not in MODES else ("sampling", sampling, SAMPLINGS))
             raise SamplingParamsError(f"{bad}={name!r} must be one of {', '.join(names)}", bad)
         if mode == "autoregressive":
-            return AutoregressiveEngine(self.module, eos)
-        if sampling == "reference":
-            return ReferenceRunner(self.module, eos, self.pad_id)
-        return Engine(self.module, eos, self.pad_id, max_batch)
+            runner = AutoregressiveEngine(self.module, eos)
+        elif sampling == "reference":
+            runner = ReferenceRunner(self.module, eos, self.pad_id)
+        else:
+            runner = Engine(self.module, eos, self.pad_id, max_batch)
+        if self.tokenizer is not None:
+            runner.grammar_vocab = self.grammar_vocab
+        return runner
 
     def _run(self, prompts: list[Prompt], mode: str, sampling: str, options: dict[str, Any],
              drafts: bool) -> Iterator[tuple[int, StreamEvent]]:

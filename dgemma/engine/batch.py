@@ -88,6 +88,13 @@ class Canvas:
         self.step += 1
         self.frozen = self.done.tolist()  # the step's one host read
 
+    def mark_done(self, rows: list[int]) -> None:
+        """These rows have nothing left to denoise on this canvas (e.g. their grammar prefix is complete)."""
+        if rows:
+            self.done[torch.tensor(rows, device=self.done.device)] = True
+            for i in rows:
+                self.frozen[i] = True
+
     def over(self, rows: list[Request], finished_rows_count: bool) -> bool:
         """Every row is done or out of steps; finished rows (aborted, or ended in an earlier canvas) count as
         done unless `finished_rows_count` (the reference keeps denoising them, as transformers does)."""

@@ -20,6 +20,7 @@ from dgemma.engine.request import Event, Request
 from dgemma.engine.runner import Runner
 from dgemma.model import DiffusionGemma
 from dgemma.sampling import random_tokens
+from dgemma.sampling.constrained import Head, constrain_step, finish_rows, start_canvas
 from dgemma.sampling.fused import fast_step
 
 
@@ -47,6 +48,8 @@ def prefill_groups(rows: list[Request], waste: float = 0.25) -> list[list[Reques
 
 
 class Engine(Runner):
+    constrains = True
+
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], pad_id: int = 0, max_batch: int = 16):
         super().__init__(model, eos_ids)
         self.pad_id = pad_id
@@ -85,6 +88,7 @@ class Engine(Runner):
             tokens = random_tokens((len(b.rows), self.canvas_length), self.model.cfg.text.vocab_size,
                                    self.model.device, [r.generator for r in b.rows])
             b.canvas = Canvas.start(b.rows, tokens)
+            start_canvas([r.grammar for r in b.rows], [r.budget for r in b.rows], self.canvas_length)
 
     def _commit(self, b: _Batch) -> None:
         """Encode the last canvas of the rows that go on."""
@@ -138,7 +142,17 @@ class Engine(Runner):
         out, signal = fast_step(hidden, model.embed_tokens.weight, model.cfg.text.final_logit_softcapping,
                                 model.embed_scale, 1.0 / cv.temperature(), cv.entropy_bound,
                                 [r.generator for r in b.rows], cv.frozen, want_signal=not cv.last_step(b.rows))
+        grammars = [None if r.finished else r.grammar for r in b.rows]
+        if any(grammars):
+            out = constrain_step(grammars, out, hidden, self._head(), 1.0 / cv.temperature(),
+                                 [r.generator for r in b.rows], cv.frozen)
         cv.advance(b.rows, out, signal)
+        if any(grammars):
+            ending = [f or cv.step >= r.params.max_denoising_steps for f, r in zip(cv.frozen, b.rows)]
+            cv.mark_done(finish_rows(grammars, cv.argmax, hidden, self._head(), ending))
         cv.drafts(b.rows, events)
         if cv.over(b.rows, finished_rows_count=False):
             b.pending, b.canvas = cv.commit(b.rows, self.pad_id, events), None
+
+    def _head(self) -> Head:
+        return Head(self.model.embed_tokens.weight, self.model.cfg.text.final_logit_softcapping)

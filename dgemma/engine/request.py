@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from dgemma.sampling import SamplingParams
+from dgemma.sampling.constraints import RowGrammar
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Request:
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stats: Stats = field(default_factory=Stats)
+    grammar: RowGrammar | None = None  # the request's grammar state, when its params carry a grammar
 
     @property
     def budget(self) -> int:

@@ -6,9 +6,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dgemma.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dgemma.sampling.constraints import Grammar
 
 MAX_NEW_TOKENS = 1_000_000
 MAX_DENOISING_STEPS = 10_000
@@ -53,6 +56,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] | None = None  # None: the model's
     ar_temperature: float = 0.0  # autoregressive mode only; 0 is greedy
+    grammar: Grammar | None = None  # the output must match it (sampling/constraints.py)
 
     def __post_init__(self) -> None:
         # Normalise containers so the object stays hashable: a bare str / int means a 1-tuple.
@@ -82,6 +86,10 @@ class SamplingParams:
             _fail(f"stop={self.stop!r} must be non-empty strings", "stop")
         if self.eos_token_ids is not None and not all(_is_int(i) and i >= 0 for i in self.eos_token_ids):
             _fail(f"eos_token_ids={self.eos_token_ids!r} must be non-negative integers", "eos_token_ids")
+        if self.grammar is not None:
+            if not callable(getattr(self.grammar, "check", None)):
+                _fail("grammar must be a dgemma.Grammar (Grammar.json_schema(...), .regex(...), ...)", "grammar")
+            self.grammar.check()
 
     def validate(self, vocab_size: int | None = None, max_context: int | None = None, prompt_len: int = 0,
                  limits: Limits = Limits()) -> None:
