@@ -14,6 +14,7 @@ grammar, ended by EOS only where the grammar is complete.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
@@ -101,7 +102,10 @@ def _compile(kind: str, source: str) -> tuple[str, str]:
 
 
 def _first_line(message: str) -> str:
-    line = message.strip().splitlines()[0] if message.strip() else ""
+    """llguidance's message on one line, without its echo of the grammar and the caret markers."""
+    lines = [x.strip() for x in message.splitlines()]
+    kept = [x for x in lines if x and not re.fullmatch(r"[\^\s]+|\d+ \|.*", x)]
+    line = re.sub(r"^at \d+\(\d+\): ", "", " ".join(kept))
     return line if len(line) <= 300 else line[:297] + "..."
 
 
