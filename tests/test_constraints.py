@@ -128,3 +128,19 @@ def test_a_regex_that_cannot_match_is_refused_before_model_work(tiny):
     assert e.value.param == "regex"
     with pytest.raises(SamplingParamsError, match="dgemma.Grammar"):
         SamplingParams(grammar={"type": "object"})
+
+
+def test_cli_regex_and_json_schema(tmp_path, capsys):
+    from dgemma.cli import main
+
+    assert main(["generate", "The king said", "--regex", "(yes|no)", "--steps", "4", "--seed", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] in ("yes", "no")
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                  "additionalProperties": False}))
+    assert main(["generate", "The king said", "--json-schema", str(schema), "--steps", "4", "--json"]) == 0
+    assert json.loads(json.loads(capsys.readouterr().out)["text"]) in ({"ok": True}, {"ok": False})
+    schema.write_text('{"type": "object", "if": {}}')
+    assert main(["generate", "x", "--json-schema", str(schema)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "if" in err

@@ -97,7 +97,12 @@ BAD = [
         "url": "http://x/y.png"}}]}]}, 400, "messages[0].content"),
     ("logprobs", X, {"messages": CHAT, "logprobs": True}, 400, "logprobs"),
     ("tools", X, {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ("json mode", X, {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("response_format xml", X, {"messages": CHAT, "response_format": {"type": "xml"}}, 400, "response_format"),
+    ("json_schema without schema", X, {"messages": CHAT, "response_format": {"type": "json_schema",
+                                                                            "json_schema": {"name": "x"}}},
+     400, "response_format"),
+    ("invalid json schema", X, {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "strin"}}}}, 400, "response_format"),
     ("functions", X, {"messages": CHAT, "functions": [{"name": "f"}]}, 400, "functions"),
     ("function_call", X, {"messages": CHAT, "function_call": {"name": "f"}}, 400, "function_call"),
     ("parallel tool calls", X, {"messages": CHAT, "parallel_tool_calls": True}, 400, "parallel_tool_calls"),

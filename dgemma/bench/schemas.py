@@ -1,7 +1,7 @@
 """Random JSON schemas for validity checks of constrained decoding (tests and benchmarks/structured.py): nested
 objects, arrays, enums, integers and numbers with ranges, required and optional properties, strings with
-lengths or patterns. Every generated schema has bounded instances, so a request with enough max_tokens always
-ends with finish_reason "stop"."""
+lengths or patterns. Every generated schema has bounded instances (numbers carry a multipleOf), so a request
+with enough max_tokens always ends with finish_reason "stop", whatever the model."""
 
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
         return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 1000)}
     if kind == "number":
         lo = rng.randint(-10, 10)
-        return {"type": "number", "minimum": lo, "maximum": lo + rng.randint(1, 100)}
+        # multipleOf bounds the fraction digits (binary fractions: validators check them exactly)
+        return {"type": "number", "minimum": lo, "maximum": lo + rng.randint(1, 100),
+                "multipleOf": rng.choice([0.25, 0.5, 0.125])}
     if kind == "enum":
         return {"enum": rng.sample(["red", "green", "blue", 1, 2.5, None, True, "x y"], rng.randint(1, 4))}
     return {"type": kind}

@@ -55,7 +55,7 @@ class Grammar:
                 raise SamplingParamsError(f"the JSON schema is not valid JSON ({e})", param) from None
         if not isinstance(schema, (dict, bool)):
             raise SamplingParamsError("a JSON schema is a JSON object (or true / false)", param)
-        return cls("json_schema", json.dumps(schema, sort_keys=True), param)
+        return cls("json_schema", json.dumps(schema), param)
 
     @classmethod
     def regex(cls, pattern: str, param: str = "grammar") -> Grammar:
@@ -82,7 +82,7 @@ def compiled(g: Grammar) -> str:
     """llguidance's grammar text for `g`; raises SamplingParamsError with llguidance's reason."""
     text, error = _compile(g.kind, g.source)
     if error:
-        raise SamplingParamsError(f"{g.describe()} is not supported: {error}", g.param)
+        raise SamplingParamsError(f"{g.describe()} is invalid or not supported: {error}", g.param)
     return text
 
 
@@ -121,7 +121,7 @@ class GrammarVocab:
         """A fresh matcher for one request; raises SamplingParamsError when `g` cannot match anything."""
         m = llguidance.LLMatcher(self.tokenizer, compiled(g), log_level=0)
         if m.is_error():
-            raise SamplingParamsError(f"{g.describe()} is not supported: {_first_line(m.get_error())}", g.param)
+            raise SamplingParamsError(f"{g.describe()} is invalid or not supported: {_first_line(m.get_error())}", g.param)
         if not eos:
             raise SamplingParamsError("constrained output needs an end-of-sequence token", g.param)
         row = RowGrammar(m, self, eos)

@@ -9,6 +9,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
 
+from dgemma.sampling import Grammar, SamplingParamsError
+
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
@@ -86,6 +88,10 @@ class OpenAIRequest(_Strict):
             return "logit_bias", "logit bias"
         return None
 
+    def grammar(self) -> Grammar | None:
+        """The grammar the output must match (chat's response_format); None: free text."""
+        return None
+
     def ignored_fields(self) -> list[str]:
         """Names of the ignored fields, as safe header text: plain names (at most 16), then "+N others"."""
         names = sorted(self.model_extra or ())
@@ -154,9 +160,24 @@ class ChatCompletionRequest(OpenAIRequest):
             return "tools", "tool calling"
         if self.tool_choice not in (None, "none", "auto"):
             return "tool_choice", "tool calling"
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format", "structured output"
         return self._unsupported_extras() or super().unsupported()
+
+    def grammar(self) -> Grammar | None:
+        """response_format -> Grammar: {"type": "json_object"}, or {"type": "json_schema", "json_schema":
+        {"name": ..., "schema": {...}, "strict": ...}}; "text" or none: free text."""
+        fmt, param = self.response_format, "response_format"
+        kind = None if fmt is None else fmt.get("type")
+        if kind in (None, "text"):
+            return None
+        if kind == "json_object":
+            return Grammar.json_object(param)
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise SamplingParamsError('response_format json_schema needs {"json_schema": {"name": ..., '
+                                          '"schema": {...}}}', param)
+            return Grammar.json_schema(spec["schema"], param)
+        raise SamplingParamsError(f"response_format type {kind!r} must be text, json_object or json_schema", param)
 
     def _unsupported_extras(self) -> tuple[str, str] | None:
         asks = {

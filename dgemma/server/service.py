@@ -167,7 +167,7 @@ class Service:
         for prompt in prompts:
             try:
                 ids = await asyncio.to_thread(self.model.encode_prompt, prompt)
-                plans += [Plan(ids, p) for p in self._choice_params(body, ids)]
+                plans += [Plan(ids, p) for p in await asyncio.to_thread(self._choice_params, body, ids)]
             except SamplingParamsError as e:  # max_new_tokens is named as the client named it
                 message = str(e).replace("max_new_tokens", tokens_param)
                 raise bad_request(message, names.get(e.param, e.param)) from None
@@ -185,7 +185,8 @@ class Service:
         new = requested or min(model.defaults.max_new_tokens, room, self.config.max_tokens or room)
         greedy = body.temperature is not None and body.temperature < GREEDY_T
         base = 0 if body.seed is None and greedy else body.seed
-        first = model.params(max_new_tokens=new, seed=base, stop=_stops(body.stop), **schedule(body.temperature))
+        first = model.params(max_new_tokens=new, seed=base, stop=_stops(body.stop), grammar=body.grammar(),
+                             **schedule(body.temperature))
         model.check_request(ids, first, self.config.limits)
         if base is None:
             return [first] * body.n

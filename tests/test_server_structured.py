@@ -1,0 +1,99 @@
+"""Structured output through the server with the official `openai` client: response_format json_schema and
+json_object, streamed and not, constrained and plain requests at once, and bad schemas refused with a 400 that
+names response_format before any model work."""
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from server_fixtures import load_with_eos, served_checkpoint, start_server
+
+openai = pytest.importorskip("openai")
+jsonschema_rs = pytest.importorskip("jsonschema_rs")
+
+CHAT = [{"role": "user", "content": "Describe a person as JSON."}]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+          "required": ["name", "age"], "additionalProperties": False}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    checkpoint = served_checkpoint(tmp_path_factory)
+    s = start_server(checkpoint, loader=lambda: load_with_eos(checkpoint), max_concurrency=8)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_json_schema_output_validates(client):
+    r = client.chat.completions.create(model="tiny", messages=CHAT, response_format=FORMAT, max_tokens=300,
+                                       seed=3, n=3)
+    for choice in r.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema_rs.validate(SCHEMA, json.loads(choice.message.content))
+
+
+def test_json_object(client):
+    r = client.chat.completions.create(model="tiny", messages=CHAT, response_format={"type": "json_object"},
+                                       max_tokens=400, seed=11)
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_json_schema_streams(client):
+    stream = client.chat.completions.create(model="tiny", messages=CHAT, response_format=FORMAT, max_tokens=300,
+                                            seed=4, stream=True)
+    parts, reasons = [], []
+    for chunk in stream:
+        for c in chunk.choices:
+            parts.append(c.delta.content or "")
+            reasons.append(c.finish_reason)
+    assert reasons[-1] == "stop"
+    jsonschema_rs.validate(SCHEMA, json.loads("".join(parts)))
+
+
+def test_constrained_and_plain_requests_at_once(client):
+    out = {}
+
+    def ask(key, **kwargs):
+        out[key] = client.chat.completions.create(model="tiny", messages=CHAT, seed=5, max_tokens=300, **kwargs)
+
+    threads = [threading.Thread(target=ask, args=("json",), kwargs={"response_format": FORMAT}),
+               threading.Thread(target=ask, args=("plain",))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    jsonschema_rs.validate(SCHEMA, json.loads(out["json"].choices[0].message.content))
+    alone = client.chat.completions.create(model="tiny", messages=CHAT, seed=5, max_tokens=300)
+    assert out["plain"].choices[0].message.content == alone.choices[0].message.content
+
+
+@pytest.mark.parametrize("fmt, words", [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "if": {}}}}, "if"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "[a-"}}},
+     "unclosed"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}, "JSON object"),
+    ({"type": "grammar"}, "must be text, json_object or json_schema"),
+])
+def test_bad_schemas_are_400s_naming_response_format(server, client, fmt, words):
+    before = _prompt_tokens(server)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=CHAT, response_format=fmt)
+    error = e.value.body
+    assert error["param"] == "response_format" and words in error["message"], error
+    assert _prompt_tokens(server) == before  # nothing was admitted, so nothing reached the model
+
+
+def _prompt_tokens(server) -> str:
+    lines = httpx.get(server.url + "/metrics").text.splitlines()
+    return next(line for line in lines if line.startswith("dgemma_prompt_tokens_total"))
