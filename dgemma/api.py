@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from dgemma.jsonfile import read_json
 from dgemma.options import MODES, SAMPLINGS
 from dgemma.sampling import Limits, SamplingParams, SamplingParamsError
 from dgemma.sampling.constraints import GrammarVocab, shared_vocab
+from dgemma.sampling.seeded import Layout, edit_parts, parse_template
 from dgemma.tokenizer import Tokenizer
 from dgemma.weights import load_model, resolve_checkpoint
 
@@ -117,7 +119,46 @@ class Model:
         return self.tokenizer
 
     def params(self, **options: Any) -> SamplingParams:
+        """SamplingParams fields, plus the seeded-canvas options: `suffix` (infill: the output is the text
+        between the prompt and this suffix, at most max_new_tokens), `template` (text with [[hole]] /
+        [[hole:N]] holes; the output is the filled template), `edit` (a draft, text or ids) with `renoise`
+        (a fraction of its tokens chosen by the seed, or (start, end) spans: characters of a text draft, indices
+        of an id draft)."""
+        seeded = {k: options.pop(k) for k in ("suffix", "template", "edit", "renoise") if k in options}
+        if any(v is not None for v in seeded.values()):
+            options["seeded"] = self._layout(options, **seeded)
         return self.defaults.replace(**options)
+
+    def _layout(self, options: dict[str, Any], suffix: str | None = None, template: str | None = None,
+                edit: str | list[int] | None = None, renoise: float | list[tuple[int, int]] | None = None) -> Layout:
+        given = [k for k, v in (("suffix", suffix), ("template", template), ("edit", edit)) if v is not None]
+        if len(given) != 1 or (renoise is None) != (edit is None):
+            raise SamplingParamsError("give one of suffix, template, or edit with renoise", (given or ["edit"])[-1])
+        if suffix is not None:
+            hole = options.get("max_new_tokens") or self.defaults.max_new_tokens
+            return Layout.from_parts([hole, self._text_ids(suffix, "suffix")], echo=False, param="suffix")
+        if template is not None:
+            parts = parse_template(template)
+            return Layout.from_parts([p if isinstance(p, int) else self._text_ids(p, "template") for p in parts])
+        ids, offsets = (edit, [(i, i + 1) for i in range(len(edit))]) if isinstance(edit, list) else \
+            self._text_offsets(edit)
+        if isinstance(renoise, (int, float)):
+            if not 0 < renoise <= 1:
+                raise SamplingParamsError(f"renoise={renoise} must be a fraction in (0, 1]", "renoise")
+            rng = random.Random(options.get("seed") or 0)
+            chosen = set(rng.sample(range(len(ids)), max(1, round(renoise * len(ids)))))
+        else:
+            chosen = {i for i, (a, b) in enumerate(offsets) for s, e in renoise if a < e and s < b}
+        return Layout.from_parts(edit_parts(self.check_ids(list(ids)), chosen), param="edit")
+
+    def _text_ids(self, text: str, param: str) -> list[int]:
+        if not isinstance(text, str) or not text:
+            raise SamplingParamsError(f"{param} must be a non-empty string", param)
+        return self._require_tokenizer().encode(text, add_bos=False)
+
+    def _text_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        enc = self._require_tokenizer().tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
 
     def check_request(self, ids: list[int], params: SamplingParams, limits: Limits = Limits()) -> None:
         """Everything about a request that needs the model: the one validation path (SamplingParams)."""

@@ -126,7 +126,8 @@ class Canvas:
         """Commit each live row's draft up to its first EOS and within its budget; returns the canvas padded as
         transformers does (each row with its own EOS ids), ready to be encoded."""
         finished = torch.tensor([r.finished for r in rows], device=self.argmax.device)
-        eos = _row_table([list(r.eos) for r in rows], self.argmax.device, torch.long, -1)
+        eos_ids = [list(r.eos) if r.seeded is None else [] for r in rows]  # a seeded row's EOS may end a hole only
+        eos = _row_table(eos_ids, self.argmax.device, torch.long, -1)
         padded = finalize_canvas(self.argmax, eos, pad_id, finished)
         for r, ids, steps in zip(rows, self.argmax.tolist(), self.row_steps):
             if not r.finished:

@@ -21,6 +21,7 @@ from dgemma.engine.runner import Runner
 from dgemma.model import DiffusionGemma
 from dgemma.sampling import random_tokens
 from dgemma.sampling.constrained import Head, constrain_step, finish_rows, start_canvas
+from dgemma.sampling.seeded import seed_canvas, seed_step
 from dgemma.sampling.fused import fast_step
 
 
@@ -48,7 +49,7 @@ def prefill_groups(rows: list[Request], waste: float = 0.25) -> list[list[Reques
 
 
 class Engine(Runner):
-    constrains = True
+    constrains = seeds = True
 
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], pad_id: int = 0, max_batch: int = 16):
         super().__init__(model, eos_ids)
@@ -87,6 +88,7 @@ class Engine(Runner):
             b = self.batch
             tokens = random_tokens((len(b.rows), self.canvas_length), self.model.cfg.text.vocab_size,
                                    self.model.device, [r.generator for r in b.rows])
+            seed_canvas([r.seeded for r in b.rows], tokens)
             b.canvas = Canvas.start(b.rows, tokens)
             start_canvas([r.grammar for r in b.rows], [r.budget for r in b.rows], self.canvas_length)
 
@@ -142,6 +144,7 @@ class Engine(Runner):
         out, signal = fast_step(hidden, model.embed_tokens.weight, model.cfg.text.final_logit_softcapping,
                                 model.embed_scale, 1.0 / cv.temperature(), cv.entropy_bound,
                                 [r.generator for r in b.rows], cv.frozen, want_signal=not cv.last_step(b.rows))
+        out = seed_step([None if r.finished else r.seeded for r in b.rows], out)
         grammars = [None if r.finished else r.grammar for r in b.rows]
         if any(grammars):
             out = constrain_step(grammars, out, hidden, self._head(), 1.0 / cv.temperature(),

@@ -10,12 +10,14 @@ from dgemma.engine.request import Event, Request
 from dgemma.model import DiffusionGemma
 from dgemma.sampling import SamplingParams, SamplingParamsError, make_generator
 from dgemma.sampling.constraints import GrammarVocab
+from dgemma.sampling.seeded import SeedState
 
 _ids = itertools.count()
 
 
 class Runner:
     constrains = False  # follows request grammars
+    seeds = False  # follows seeded layouts (suffix, template, edit)
 
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...]):
         self.model = model
@@ -41,6 +43,11 @@ class Runner:
                 raise SamplingParamsError("constrained output needs a tokenizer and fast diffusion or "
                                           "autoregressive decoding", params.grammar.param)
             req.grammar = self.grammar_vocab().matcher(params.grammar, req.eos)
+        if params.seeded is not None:
+            if not self.seeds or not req.eos:
+                raise SamplingParamsError("a suffix, template or edit needs fast diffusion decoding and an "
+                                          "end-of-sequence token", params.seeded.param)
+            req.seeded = SeedState(params.seeded, req.eos)
         return req
 
     def held(self) -> list[Request]:
