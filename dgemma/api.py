@@ -160,8 +160,15 @@ class Model:
         enc = self._require_tokenizer().tok.encode(text, add_special_tokens=False)
         return enc.ids, enc.offsets
 
-    def check_request(self, ids: list[int], params: SamplingParams, limits: Limits = Limits()) -> None:
+    def check_request(self, ids: list[int], params: SamplingParams, limits: Limits = Limits(),
+                      mode: str = "diffusion", sampling: str = "fast") -> None:
         """Everything about a request that needs the model: the one validation path (SamplingParams)."""
+        seeded, grammar = params.seeded, params.grammar
+        if (seeded is not None and (mode, sampling) != ("diffusion", "fast")) or (grammar and sampling != "fast"):
+            raise SamplingParamsError("constrained and seeded output need the fast sampler (seeded: in diffusion "
+                                      "mode)", (seeded or grammar).param)
+        if seeded is not None and not params.eos_token_ids:
+            raise SamplingParamsError("a suffix, template or edit needs an end-of-sequence token", seeded.param)
         params.validate(self.module.cfg.text.vocab_size, self.max_context, len(ids), limits)
         if params.stop and self.tokenizer is None:
             raise SamplingParamsError("stop strings need a tokenizer; this checkpoint has none", "stop")
@@ -214,7 +221,7 @@ class Model:
         params = self.params(**options)
         ids = [self.encode_prompt(p) for p in prompts]
         for x in ids:
-            self.check_request(x, params)
+            self.check_request(x, params, mode=mode, sampling=sampling)
         runner = self.runner(mode, sampling, max(1, len(ids)))
         reqs = {}
         for i, x in enumerate(ids):

@@ -1,6 +1,6 @@
-"""Structured output through the server with the official `openai` client: response_format json_schema and
-json_object, streamed and not, constrained and plain requests at once, and bad schemas refused with a 400 that
-names response_format before any model work."""
+"""Structured output and infill through the server with the official `openai` client: response_format
+json_schema and json_object, streamed and not, constrained and plain requests at once, bad schemas refused with a
+400 that names response_format before any model work; completions with a suffix, streamed and not."""
 
 import json
 import threading
@@ -97,3 +97,13 @@ def test_bad_schemas_are_400s_naming_response_format(server, client, fmt, words)
 def _prompt_tokens(server) -> str:
     lines = httpx.get(server.url + "/metrics").text.splitlines()
     return next(line for line in lines if line.startswith("dgemma_prompt_tokens_total"))
+
+
+def test_completion_with_a_suffix(client):
+    kwargs = dict(model="tiny", prompt="The quick brown", suffix=" over the lazy dog.", max_tokens=10, seed=2)
+    r = client.completions.create(**kwargs)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 10
+    plain = client.completions.create(**(kwargs | {"suffix": None}))
+    assert plain.choices[0].text != r.choices[0].text  # the frozen suffix changes what comes before it
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True) if c.choices)
+    assert streamed == r.choices[0].text

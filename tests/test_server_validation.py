@@ -114,6 +114,7 @@ BAD = [
     ("logit bias", C, {"prompt": "hi", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
     ("echo", C, {"prompt": "hi", "echo": True}, 400, "echo"),
     ("best_of", C, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("suffix without an EOS id", C, {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
 ]
 
 

@@ -92,6 +92,10 @@ class OpenAIRequest(_Strict):
         """The grammar the output must match (chat's response_format); None: free text."""
         return None
 
+    def seeded(self) -> dict[str, str]:
+        """Seeded-canvas options for `Model.params` (a completion's suffix)."""
+        return {}
+
     def ignored_fields(self) -> list[str]:
         """Names of the ignored fields, as safe header text: plain names (at most 16), then "+N others"."""
         names = sorted(self.model_extra or ())
@@ -104,7 +108,9 @@ class CompletionRequest(OpenAIRequest):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1)
-    suffix: Text | None = None
+    suffix: Text | None = Field(None, description=(
+        "infill: the text after the completion, held fixed in the canvas while the text between prompt and suffix "
+        "(at most max_tokens tokens) is generated; the response holds that middle text"))
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.echo:
@@ -113,9 +119,10 @@ class CompletionRequest(OpenAIRequest):
             return "logprobs", "logprobs"
         if self.best_of not in (None, 1):
             return "best_of", "best_of > 1"
-        if self.suffix:
-            return "suffix", "suffix"
         return super().unsupported()
+
+    def seeded(self) -> dict[str, str]:
+        return {"suffix": self.suffix} if self.suffix else {}
 
 
 class TextPart(_Strict):

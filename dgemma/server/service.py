@@ -186,8 +186,8 @@ class Service:
         greedy = body.temperature is not None and body.temperature < GREEDY_T
         base = 0 if body.seed is None and greedy else body.seed
         first = model.params(max_new_tokens=new, seed=base, stop=_stops(body.stop), grammar=body.grammar(),
-                             **schedule(body.temperature))
-        model.check_request(ids, first, self.config.limits)
+                             **schedule(body.temperature), **body.seeded())
+        model.check_request(ids, first, self.config.limits, self.config.mode)
         if base is None:
             return [first] * body.n
         return [first] + [first.replace(seed=(base + i) % (MAX_SEED + 1)) for i in range(1, body.n)]
