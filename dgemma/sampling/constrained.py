@@ -24,12 +24,16 @@ class Head:
     embedding: Tensor  # [V, H]
     softcap: float | None
 
-    def token(self, h: Tensor, allowed: Tensor, inv_temp: float | None, generator: torch.Generator | None) -> int:
+    def logits(self, h: Tensor) -> Tensor:
+        """h [K, H] -> float32 logits [K, V]."""
+        logits = (h.to(self.embedding.dtype) @ self.embedding.T).float()
+        return self.softcap * torch.tanh(logits / self.softcap) if self.softcap else logits
+
+    def token(self, h: Tensor, allowed: Tensor, inv_temp: float | None, generator: torch.Generator | None,
+              logits: Tensor | None = None) -> int:
         """A token at one position from grammar-masked logits: drawn at temperature 1 / inv_temp, or the argmax
-        when inv_temp is None. h [H]; allowed bool [V] (any device)."""
-        logits = torch.mv(self.embedding, h.to(self.embedding.dtype)).float()
-        if self.softcap:
-            logits = self.softcap * torch.tanh(logits / self.softcap)
+        when inv_temp is None. h [H] (or its `logits` [V], already computed); allowed bool [V] (any device)."""
+        logits = self.logits(h[None])[0] if logits is None else logits
         logits = logits.masked_fill(~allowed.to(logits.device), -math.inf)
         if inv_temp is None:
             return int(logits.argmax())
@@ -75,10 +79,12 @@ def finish_rows(grammars: Rows, argmax: Tensor, hidden: Tensor, head: Head, endi
     for i, g in enumerate(grammars):
         if g is None or g.settled or not (g.complete or ending[i]):
             continue
-        draft = argmax[i].tolist()
+        draft, start = argmax[i].tolist(), len(g.locked)
+        logits = head.logits(hidden[i, start:g.limit]) if not g.complete else None  # one GEMM for the rest
         while not g.complete:
             p = len(g.locked)
-            if not (g.extend([draft[p]]) or g.extend([head.token(hidden[i, p], g.allowed(), None, None)])):
+            if not (g.extend([draft[p]]) or
+                    g.extend([head.token(hidden[i, p], g.allowed(), None, None, logits[p - start])])):
                 g.give_up()
         g.settled = True
         prefix, inside = _prefixes([g], argmax.shape[1], argmax.device)
