@@ -34,10 +34,11 @@ class Result:
     finish_reason: str
     stats: dict[str, Any] = field(default_factory=dict)
     prompt_tokens: int = 0
+    logprobs: list | None = None  # with logprobs=k: (id, logprob, [(id, logprob)] * k) per token (sampling/logprobs.py)
 
     def to_dict(self) -> dict[str, Any]:
         return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason,
-                "prompt_tokens": self.prompt_tokens, "stats": self.stats}
+                "prompt_tokens": self.prompt_tokens, "stats": self.stats, "logprobs": self.logprobs}
 
 
 def load(path_or_repo: str | Path | None = None, dtype: str | torch.dtype = "auto",
@@ -151,6 +152,10 @@ class Model:
             chosen = {i for i, (a, b) in enumerate(offsets) for s, e in renoise if a < e and s < b}
         return Layout.from_parts(edit_parts(self.check_ids(list(ids)), chosen), param="edit")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's raw bytes (a piece of a multi-byte character stays a piece)."""
+        return self.grammar_vocab().tokenizer.decode_bytes([token_id])
+
     def _text_ids(self, text: str, param: str) -> list[int]:
         if not isinstance(text, str) or not text:
             raise SamplingParamsError(f"{param} must be a non-empty string", param)
@@ -167,6 +172,8 @@ class Model:
         if (seeded is not None and (mode, sampling) != ("diffusion", "fast")) or (grammar and sampling != "fast"):
             raise SamplingParamsError("constrained and seeded output need the fast sampler (seeded: in diffusion "
                                       "mode)", (seeded or grammar).param)
+        if params.logprobs is not None and (mode, sampling) != ("diffusion", "fast"):
+            raise SamplingParamsError("logprobs need fast diffusion decoding", "logprobs")
         if seeded is not None and not params.eos_token_ids:
             raise SamplingParamsError("a suffix, template or edit needs an end-of-sequence token", seeded.param)
         params.validate(self.module.cfg.text.vocab_size, self.max_context, len(ids), limits)
@@ -238,7 +245,8 @@ class Model:
     def _result(self, req: Request, out: OutputStream) -> Result:
         req.stats.t_end = req.stats.t_end or time.perf_counter()
         ids = out.kept_ids()
-        return Result(ids, out.text, out.finish_reason, req.stats.to_dict(len(ids)), len(req.prompt))
+        logprobs = out.logprobs[:len(ids)] if req.params.logprobs is not None else None
+        return Result(ids, out.text, out.finish_reason, req.stats.to_dict(len(ids)), len(req.prompt), logprobs)
 
     # ---- description ------------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:

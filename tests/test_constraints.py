@@ -144,3 +144,12 @@ def test_cli_regex_and_json_schema(tmp_path, capsys):
     assert main(["generate", "x", "--json-schema", str(schema)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "if" in err
+
+
+def test_logprobs_of_constrained_output(tiny):
+    """A constrained row's committed tokens carry their log-probability under the final step's distribution:
+    finite and at most the best alternative's, one entry per committed token."""
+    r = tiny.generate("JSON please", grammar=Grammar.json_schema({"type": "array", "items": {"enum": [1, 2]},
+                                                                  "maxItems": 3}), seed=5, logprobs=2)
+    assert r.finish_reason == "stop" and [e[0] for e in r.logprobs] == r.token_ids
+    assert all(lp <= alts[0][1] + 1e-6 and len(alts) == 2 and alts[0][1] >= alts[1][1] for _, lp, alts in r.logprobs)

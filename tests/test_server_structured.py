@@ -1,4 +1,4 @@
-"""Structured output and infill through the server with the official `openai` client: response_format
+"""Structured output, logprobs and infill through the server with the official `openai` client: response_format
 json_schema and json_object, streamed and not, constrained and plain requests at once, bad schemas refused with a
 400 that names response_format before any model work; completions with a suffix, streamed and not."""
 
@@ -107,3 +107,24 @@ def test_completion_with_a_suffix(client):
     assert plain.choices[0].text != r.choices[0].text  # the frozen suffix changes what comes before it
     streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True) if c.choices)
     assert streamed == r.choices[0].text
+
+
+def test_chat_logprobs(client):
+    kwargs = dict(model="tiny", messages=CHAT, max_tokens=12, seed=6, logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(**kwargs)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(bytes(c.bytes).decode("utf-8", "replace") for c in content) == r.choices[0].message.content
+    for c in content:  # a plain request commits each canvas's argmax: the most likely token of its distribution
+        assert len(c.top_logprobs) == 3 and c.logprob <= 0 and c.logprob == pytest.approx(c.top_logprobs[0].logprob)
+    streamed = [c for chunk in client.chat.completions.create(**kwargs, stream=True) for ch in chunk.choices
+                if ch.logprobs for c in ch.logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(model="tiny", prompt="The quick brown", max_tokens=10, seed=2, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text and len(lp.token_logprobs) == len(lp.tokens)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(len(top) <= 2 and max(top.values()) >= v for top, v in zip(lp.top_logprobs, lp.token_logprobs))

@@ -95,7 +95,8 @@ BAD = [
     ("tool role", X, {"messages": [{"role": "tool", "content": "hi"}]}, 400, "messages[0].role"),
     ("image part", X, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
         "url": "http://x/y.png"}}]}]}, 400, "messages[0].content"),
-    ("logprobs", X, {"messages": CHAT, "logprobs": True}, 400, "logprobs"),
+    ("top_logprobs without logprobs", X, {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("too many top_logprobs", X, {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("tools", X, {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("response_format xml", X, {"messages": CHAT, "response_format": {"type": "xml"}}, 400, "response_format"),
     ("json_schema without schema", X, {"messages": CHAT, "response_format": {"type": "json_schema",

@@ -25,6 +25,7 @@ class StreamEvent:
     canvas: int = 0
     step: int = 0
     result: Any = None
+    logprobs: list | None = None  # text: (id, logprob, [(id, logprob)] alternatives) per committed id, when asked
 
 
 class OutputStream:
@@ -40,6 +41,7 @@ class OutputStream:
         self.stopped = False
         self.canvases = self.steps = 0
         self.finish_reason: str | None = None
+        self.logprobs: list = []
 
     @property
     def text(self) -> str | None:
@@ -62,7 +64,8 @@ class OutputStream:
         if event.kind == "commit":
             self.canvases, self.steps = self.canvases + 1, 0
             self.ids.extend(event.token_ids)
-            out = [StreamEvent("text", self._push(event.token_ids), event.token_ids)]
+            self.logprobs.extend(event.logprobs or [])
+            out = [StreamEvent("text", self._push(event.token_ids), event.token_ids, logprobs=event.logprobs)]
             return out + [self._done("stop")] if self.stopped else out
         reason = event.finish_reason
         if reason not in ("stop", "length"):

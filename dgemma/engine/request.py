@@ -10,6 +10,7 @@ import torch
 
 from dgemma.sampling import SamplingParams
 from dgemma.sampling.constraints import RowGrammar
+from dgemma.sampling.logprobs import Entry
 from dgemma.sampling.seeded import SeedState
 
 
@@ -49,6 +50,7 @@ class Request:
     stats: Stats = field(default_factory=Stats)
     grammar: RowGrammar | None = None  # the request's grammar state, when its params carry a grammar
     seeded: SeedState | None = None  # its progress through a seeded layout (fixed tokens and holes)
+    canvas_logprobs: list[Entry] | None = None  # this canvas's, when params.logprobs is set (sampling/logprobs.py)
 
     @property
     def budget(self) -> int:
@@ -81,7 +83,8 @@ class Request:
         new = self.visible(canvas)
         self.output.extend(new)
         self.stats.t_first_commit = self.stats.t_first_commit or time.perf_counter()
-        events.append(Event(self.id, "commit", new))
+        logprobs, self.canvas_logprobs = self.canvas_logprobs, None
+        events.append(Event(self.id, "commit", new, logprobs=None if logprobs is None else logprobs[:len(new)]))
         if hit_eos:
             self.stats.eos_tokens += 1
             self.finish("stop", events)
@@ -103,3 +106,4 @@ class Event:
     kind: Literal["draft", "commit", "finish"]
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    logprobs: list[Entry] | None = None  # commit: one entry per committed id, when the request asked

@@ -59,6 +59,7 @@ class SamplingParams:
     ar_temperature: float = 0.0  # autoregressive mode only; 0 is greedy
     grammar: Grammar | None = None  # the output must match it (sampling/constraints.py)
     seeded: Layout | None = None  # fixed tokens and holes (sampling/seeded.py); sets max_new_tokens
+    logprobs: int | None = None  # report log-probabilities with this many alternatives (sampling/logprobs.py)
 
     def __post_init__(self) -> None:
         # Normalise containers so the object stays hashable: a bare str / int means a 1-tuple.
@@ -94,6 +95,10 @@ class SamplingParams:
             if not callable(getattr(self.grammar, "check", None)):
                 _fail("grammar must be a dgemma.Grammar (Grammar.json_schema(...), .regex(...), ...)", "grammar")
             self.grammar.check()
+        if self.logprobs is not None:
+            _int_in("logprobs", self.logprobs, 0, 20)
+            if self.seeded is not None:
+                _fail("logprobs with a suffix, template or edit are not supported", "logprobs")
         if self.seeded is not None:
             if not callable(getattr(self.seeded, "check", None)):
                 _fail("seeded must be a dgemma.sampling.seeded.Layout", "seeded")

@@ -132,7 +132,7 @@ async def _respond(gen: Generation, body: Any, request: Request, chat: bool) -> 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = Chunks(chat, gen.id, gen.created, gen.service.config.model_name, include_usage)
-        return EventStream(_events(gen, chunks), on_close=gen.close, headers=ignored)
+        return EventStream(_events(gen, chunks, body), on_close=gen.close, headers=ignored)
     try:
         results = await _unless_disconnected(request, gen.collect())
     finally:
@@ -140,25 +140,31 @@ async def _respond(gen: Generation, body: Any, request: Request, chat: bool) -> 
     if results is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     choices = []
-    for i, (text, reason) in enumerate(results):
+    for i, (text, reason, entries) in enumerate(results):
+        logprobs = None if entries is None else body.format_logprobs(entries, gen.service.model.token_bytes, 0)
         if chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                             "finish_reason": reason})
         else:
-            choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": reason})
+            choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason})
     return JSONResponse({"id": gen.id, "object": "chat.completion" if chat else "text_completion",
                          "created": gen.created, "model": gen.service.config.model_name, "choices": choices,
                          "usage": gen.usage()}, headers=ignored)
 
 
-async def _events(gen: Generation, chunks: Chunks) -> AsyncIterator[bytes]:
+async def _events(gen: Generation, chunks: Chunks, body: Any) -> AsyncIterator[bytes]:
     """Role chunks, then committed text per canvas (and drafts when asked), a finish chunk per choice, the
     usage chunk when asked, then [DONE]. An error mid-stream sends an error object, then [DONE]."""
     if chunks.chat:
         for i in range(gen.n):
             yield _data(chunks.choice(i, role=True))
+    shown = [0] * gen.n  # characters sent per choice (completions' text_offset)
     async for out in gen.outputs():
-        if out.kind == "text":
+        if out.kind == "text" and out.logprobs is not None:
+            logprobs = body.format_logprobs(out.logprobs, gen.service.model.token_bytes, shown[out.index])
+            shown[out.index] += len(out.text)
+            yield _data(chunks.choice(out.index, out.text, logprobs=logprobs))
+        elif out.kind == "text":
             yield _data(chunks.choice(out.index, out.text))
         elif out.kind == "draft":
             yield _data(chunks.choice(out.index, dgemma_draft=out.draft))

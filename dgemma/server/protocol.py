@@ -45,6 +45,16 @@ Prompt = Annotated[Text | list[Text] | TokenIds | list[TokenIds], _one_of(
 Stop = Annotated[Text | list[Text], _one_of("must be a string or a list of strings")]
 
 
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", errors="replace")
+
+
+def _best_first(top: dict[str, float]) -> dict[str, float]:
+    """Alternatives by text, best first; tokens with the same text (pieces of characters) keep the best value
+    (the dict was built worst first, so the best overwrote the rest)."""
+    return dict(sorted(top.items(), key=lambda kv: -kv[1]))
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
@@ -96,6 +106,13 @@ class OpenAIRequest(_Strict):
         """Seeded-canvas options for `Model.params` (a completion's suffix)."""
         return {}
 
+    def logprob_count(self) -> int | None:
+        """Alternatives per token for `SamplingParams.logprobs`; None: no logprobs."""
+        return None
+
+    def format_logprobs(self, entries: list, token_bytes: Any, offset: int) -> dict[str, Any]:
+        raise NotImplementedError
+
     def ignored_fields(self) -> list[str]:
         """Names of the ignored fields, as safe header text: plain names (at most 16), then "+N others"."""
         names = sorted(self.model_extra or ())
@@ -115,14 +132,23 @@ class CompletionRequest(OpenAIRequest):
     def unsupported(self) -> tuple[str, str] | None:
         if self.echo:
             return "echo", "echo"
-        if self.logprobs is not None:
-            return "logprobs", "logprobs"
         if self.best_of not in (None, 1):
             return "best_of", "best_of > 1"
         return super().unsupported()
 
     def seeded(self) -> dict[str, str]:
         return {"suffix": self.suffix} if self.suffix else {}
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+    def format_logprobs(self, entries: list, token_bytes: Any, offset: int) -> dict[str, Any]:
+        """The legacy completions shape; `offset`: characters of this choice's text before these tokens."""
+        tokens = [_text(token_bytes(t)) for t, _, _ in entries]
+        offsets = [offset + sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries], "text_offset": offsets,
+                "top_logprobs": [_best_first({_text(token_bytes(a)): v for a, v in reversed(alts)})
+                                 for _, _, alts in entries]}
 
 
 class TextPart(_Strict):
@@ -161,13 +187,25 @@ class ChatCompletionRequest(OpenAIRequest):
     web_search_options: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs or self.top_logprobs:
-            return "logprobs", "logprobs"
         if self.tools:
             return "tools", "tool calling"
         if self.tool_choice not in (None, "none", "auto"):
             return "tool_choice", "tool calling"
         return self._unsupported_extras() or super().unsupported()
+
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise SamplingParamsError("top_logprobs needs logprobs=true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def format_logprobs(self, entries: list, token_bytes: Any, offset: int) -> dict[str, Any]:
+        """The chat shape: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+        def item(t: int, lp: float) -> dict[str, Any]:
+            raw = token_bytes(t)
+            return {"token": _text(raw), "logprob": lp, "bytes": list(raw)}
+
+        return {"content": [item(t, lp) | {"top_logprobs": [item(a, v) for a, v in alts]}
+                            for t, lp, alts in entries]}
 
     def grammar(self) -> Grammar | None:
         """response_format -> Grammar: {"type": "json_object"}, or {"type": "json_schema", "json_schema":
@@ -214,7 +252,7 @@ class Usage(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: FinishReason | None
 
 
@@ -235,7 +273,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: FinishReason
 
 

@@ -54,6 +54,7 @@ class Output:
     finish_reason: str | None = None
     draft: dict[str, Any] | None = None
     error: ApiError | None = None
+    logprobs: list | None = None  # "text": entries of the committed ids (sampling/logprobs.py), when asked
 
 
 class Service:
@@ -186,7 +187,7 @@ class Service:
         greedy = body.temperature is not None and body.temperature < GREEDY_T
         base = 0 if body.seed is None and greedy else body.seed
         first = model.params(max_new_tokens=new, seed=base, stop=_stops(body.stop), grammar=body.grammar(),
-                             **schedule(body.temperature), **body.seeded())
+                             logprobs=body.logprob_count(), **schedule(body.temperature), **body.seeded())
         model.check_request(ids, first, self.config.limits, self.config.mode)
         if base is None:
             return [first] * body.n
@@ -262,18 +263,22 @@ class Generation:
                 open_choices -= out.kind in ("finish", "error")
                 yield out
 
-    async def collect(self) -> list[tuple[str, str]]:
-        """Non-streaming: (text, finish_reason) per choice, in order; raises the first error."""
+    async def collect(self) -> list[tuple[str, str, list | None]]:
+        """Non-streaming: (text, finish_reason, logprob entries or None) per choice, in order; raises the first
+        error."""
         texts: list[list[str]] = [[] for _ in range(self.n)]
         reasons: list[str] = [""] * self.n
+        entries: list[list | None] = [None] * self.n
         async for out in self.outputs():
             if out.kind == "error":
                 raise out.error
             if out.kind == "text":
                 texts[out.index].append(out.text)
+                if out.logprobs is not None:
+                    entries[out.index] = (entries[out.index] or []) + out.logprobs
             elif out.kind == "finish":
                 reasons[out.index] = out.finish_reason
-        return [("".join(t), r) for t, r in zip(texts, reasons)]
+        return [("".join(t), r, e) for t, r, e in zip(texts, reasons, entries)]
 
     def close(self) -> None:
         unfinished = [c for c in self.choices.values() if c.finish_reason is None]
@@ -295,7 +300,7 @@ class Generation:
         if item.kind == "text":
             if c.t_first is None and item.token_ids:
                 c.t_first, c.first_tokens = time.perf_counter(), len(item.token_ids)
-            return Output("text", c.index, item.text) if item.text else None
+            return Output("text", c.index, item.text, logprobs=item.logprobs) if item.text or item.logprobs else None
         if c.output.stopped and c.finish_reason == "stop":
             self.service.worker.abort([c.request_id])  # harmless when the engine already finished it
         self._record(c)
