@@ -26,7 +26,6 @@ import torch
 from torch import Tensor
 
 from dgemma.sampling.params import SamplingParamsError
-from dgemma.sampling.samplers import StepOutput, random_tokens
 
 KINDS = ("json_object", "json_schema", "regex", "lark")
 # compact JSON: no free whitespace, so a model cannot stall in an endless run of spaces
@@ -121,7 +120,8 @@ class GrammarVocab:
         """A fresh matcher for one request; raises SamplingParamsError when `g` cannot match anything."""
         m = llguidance.LLMatcher(self.tokenizer, compiled(g), log_level=0)
         if m.is_error():
-            raise SamplingParamsError(f"{g.describe()} is invalid or not supported: {_first_line(m.get_error())}", g.param)
+            reason = _first_line(m.get_error())
+            raise SamplingParamsError(f"{g.describe()} is invalid or not supported: {reason}", g.param)
         if not eos:
             raise SamplingParamsError("constrained output needs an end-of-sequence token", g.param)
         row = RowGrammar(m, self, eos)
