@@ -130,9 +130,7 @@ def _metrics_route(api: APIRouter, service: Service) -> None:
 async def _respond(gen: Generation, body: Any, request: Request, chat: bool) -> Response:
     ignored = {"X-Dgemma-Ignored-Fields": ", ".join(body.ignored_fields())} if body.ignored_fields() else {}
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = Chunks(chat, gen.id, gen.created, gen.service.config.model_name, include_usage)
-        return EventStream(_events(gen, chunks), on_close=gen.close, headers=ignored)
+        return await _stream(gen, body, request, chat, ignored)
     try:
         results = await _unless_disconnected(request, gen.collect())
     finally:
@@ -151,13 +149,40 @@ async def _respond(gen: Generation, body: Any, request: Request, chat: bool) -> 
                          "usage": gen.usage()}, headers=ignored)
 
 
-async def _events(gen: Generation, chunks: Chunks) -> AsyncIterator[bytes]:
+async def _stream(gen: Generation, body: Any, request: Request, chat: bool, headers: dict[str, str]) -> Response:
+    """The response starts when a choice enters the batch (or the first output, whatever it is), so that a
+    request refused while queued (--max-queue-seconds) still gets a plain 503 status."""
+    outputs = gen.outputs()
+    try:
+        first = await _unless_disconnected(request, anext(outputs, None))
+        if first is None:
+            gen.close()
+            return Response(status_code=499)  # the client is gone (or nothing came: it was closed)
+        if first.kind == "error" and gen.n == 1:
+            raise first.error
+    except BaseException:
+        gen.close()
+        raise
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    chunks = Chunks(chat, gen.id, gen.created, gen.service.config.model_name, include_usage)
+    return EventStream(_events(gen, chunks, _chain(first, outputs)), on_close=gen.close, headers=headers)
+
+
+async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    yield first
+    async for item in rest:
+        yield item
+
+
+async def _events(gen: Generation, chunks: Chunks, outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
     """Role chunks, then committed text per canvas (and drafts when asked), a finish chunk per choice, the
     usage chunk when asked, then [DONE]. An error mid-stream sends an error object, then [DONE]."""
     if chunks.chat:
         for i in range(gen.n):
             yield _data(chunks.choice(i, role=True))
-    async for out in gen.outputs():
+    async for out in outputs:
+        if out.kind == "start":
+            continue
         if out.kind == "text":
             yield _data(chunks.choice(out.index, out.text))
         elif out.kind == "draft":
