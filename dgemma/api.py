@@ -109,14 +109,15 @@ class Model:
         return min(self.max_context - 1, limits.max_prompt_tokens or self.max_context)
 
     def _check_length(self, prompt: Prompt, max_tokens: int) -> None:
+        message = f"the prompt has {{}} {{}}; at most {max_tokens} tokens are allowed"
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             size, unit, cap = len(prompt), "tokens", max_tokens
         else:
             per_token = self.tokenizer.max_token_chars if self.tokenizer is not None else 1
             size, unit, cap = _chars(prompt), "characters", max_tokens * per_token * CHAR_MARGIN
+            message += f", which no text over {cap} characters fits in"
         if size > cap:
-            raise SamplingParamsError(f"the prompt has {size} {unit}; at most {max_tokens} tokens are allowed, "
-                                      f"which no text over {cap} characters fits in", "prompt")
+            raise SamplingParamsError(message.format(size, unit), "prompt")
 
     def check_ids(self, ids: list[int]) -> list[int]:
         vocab = self.module.cfg.text.vocab_size
