@@ -150,12 +150,12 @@ def test_a_request_deadline_aborts_and_frees_the_row(server):
     t0 = time.monotonic()
     r = httpx.post(server.url + C, json={"prompt": "Hi", "max_tokens": 100_000, "dgemma_timeout": 0.5}, timeout=30)
     assert r.status_code == 408 and r.json()["error"]["code"] == "deadline_exceeded"
-    assert r.json()["error"]["param"] == "dgemma_timeout" and time.monotonic() - t0 < 5
+    assert r.json()["error"]["param"] == "dgemma_timeout" and time.monotonic() - t0 < 10
     with httpx.stream("POST", server.url + C, json={"prompt": "Hi", "max_tokens": 100_000, "stream": True,
-                                                    "dgemma_timeout": 0.5}, timeout=30) as r:
+                                                    "dgemma_drafts": True, "dgemma_timeout": 1.0}, timeout=30) as r:
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "deadline_exceeded"
-    assert any("choices" in json.loads(e) for e in events[:-2])  # it streamed text before the deadline
+    assert any("choices" in json.loads(e) for e in events[:-2])  # it streamed before the deadline
     assert wait_until(lambda: server.service.in_use == 0 and server.service.worker.running == 0, 5)
     r = httpx.post(server.url + C, json={"prompt": "Hi", "dgemma_timeout": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "dgemma_timeout"

@@ -39,6 +39,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request body cap (default 4 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to "
                    "finish after SIGTERM before they are aborted (default 30)")
+    _add_time_arguments(p)
+    p.add_argument("--cors-origin", action="append", default=[], help="allow browser calls from this origin "
+                   "(repeatable; default: CORS off)")
+    p.add_argument("--allowed-host", action="append", default=[], help="Host header to accept besides the "
+                   "loopback names (repeatable; on a loopback bind others are refused)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--no-access-log", action="store_true", help="do not log each request")
+
+
+def _add_time_arguments(p: argparse.ArgumentParser) -> None:
+    """Deadlines and connection limits: what keeps one client from holding the others up."""
     p.add_argument("--max-queue-seconds", type=float, help="a request not in the batch after this long is "
                    "answered 503 with Retry-After (default: no limit)")
     p.add_argument("--request-timeout", type=float, help="seconds a request may run from arrival to its last "
@@ -54,12 +65,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "and closed (default 512)")
     p.add_argument("--tokenizer-threads", type=int, default=2, help="prompts tokenized at once, in threads off "
                    "the event loop (default 2)")
-    p.add_argument("--cors-origin", action="append", default=[], help="allow browser calls from this origin "
-                   "(repeatable; default: CORS off)")
-    p.add_argument("--allowed-host", action="append", default=[], help="Host header to accept besides the "
-                   "loopback names (repeatable; on a loopback bind others are refused)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--no-access-log", action="store_true", help="do not log each request")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
