@@ -107,8 +107,8 @@ def test_draining_refuses_new_work_and_aborts_after_the_timeout(checkpoint):
     s = start_server(checkpoint, shutdown_timeout=1.0)
     try:
         out: dict = {}
-        long = threading.Thread(target=_stream, args=(s.url, {"prompt": "Hi", "max_tokens": 100_000, "stream": True},
-                                                      out, "long"))
+        long = threading.Thread(target=_stream, args=(s.url, {"prompt": "Hi", "max_tokens": 100_000, "stream": True,
+                                                              "dgemma_drafts": True}, out, "long"))
         long.start()
         assert wait_until(lambda: s.service.worker.running == 1, 30)
         s.service.begin_drain()
