@@ -152,9 +152,9 @@ class Engine(Runner):
             out = constrain_step(grammars, out, hidden, self._head(), inv_temp,
                                  [r.generator for r in b.rows], cv.frozen)
         cv.advance(b.rows, out, signal)
-        ending = [f or n >= r.params.max_denoising_steps for f, n, r in zip(cv.frozen, cv.row_steps, b.rows)]
         if any(grammars):
-            cv.mark_done(finish_rows(grammars, cv.argmax, hidden, self._head(), ending))
+            cv.mark_done(finish_rows(grammars, cv.argmax, hidden, self._head(), self._ending(b.rows)))
+        ending = self._ending(b.rows)  # with the rows whose grammar prefix just completed
         if any(r.params.logprobs is not None for r in b.rows):
             self._logprobs(b.rows, hidden, inv_temp.tolist(), ending)
         cv.mark_done([i for i, e in enumerate(ending) if e and not cv.frozen[i]])  # out of steps: stop this row
@@ -164,6 +164,11 @@ class Engine(Runner):
 
     def _head(self) -> Head:
         return Head(self.model.embed_tokens.weight, self.model.cfg.text.final_logit_softcapping)
+
+    def _ending(self, rows) -> list[bool]:
+        """Rows whose canvas ends at this step: done, or out of denoising steps."""
+        cv = self.batch.canvas
+        return [f or n >= r.params.max_denoising_steps for f, n, r in zip(cv.frozen, cv.row_steps, rows)]
 
     def _logprobs(self, rows, hidden: torch.Tensor, inv_temp: list[float], ending: list[bool]) -> None:
         """Rows that asked for logprobs and whose canvas ends now: their draft's log-probabilities at this step."""
