@@ -142,6 +142,29 @@ def test_bad_launches_are_one_line_errors(workdir, tmp_path, monkeypatch):
         Trainer(make_config(values(workdir, tmp_path / "r", batch_size=2)), progress=False)
 
 
+def test_interrupted_sharded_save_keeps_the_last_complete_state(tmp_path, monkeypatch):
+    """A rank killed (here: Ctrl-C) while a sharded state is written leaves `latest` on the previous one."""
+    from dgemma.train import checkpoint
+
+    par = distributed.Parallel(torch.device("cpu"))
+    root = tmp_path / "checkpoints"
+    state = {"model": {"w": torch.arange(4.0)}}
+    good = checkpoint.save_sharded_state(root, 1, state, {"x": 1}, {"step": 1}, 2, par)
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint, "replace_dir", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_sharded_state(root, 2, {"model": {"w": torch.zeros(4)}}, {"x": 2}, {"step": 2}, 2, par)
+    assert checkpoint.latest_state(root) == good
+    loaded = {"model": {"w": torch.zeros(4)}}
+    checkpoint.load_sharded_state(good, loaded)
+    assert torch.equal(loaded["model"]["w"], torch.arange(4.0))
+    with pytest.raises(DgemmaError, match="does not fit this model / LoRA setup"):
+        checkpoint.load_sharded_state(good, {"model": {"w": torch.zeros(5)}})
+
+
 # ---- 2 gloo ranks under torchrun ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -183,6 +206,9 @@ def test_two_rank_checkpoint_resumes_on_one_and_two_ranks(workdir, full_runs):
         else:  # and with activation checkpointing, which must not change a number
             torchrun(2, values(workdir, out), "--activation-checkpointing")
         assert_same_curve(expected, losses(out), (3, 4))
+    with pytest.raises(DgemmaError, match="does not fit this model"):  # another architecture
+        wider = {**TINY, "text_config": {**TINY["text_config"], "intermediate_size": 48}}
+        Trainer(make_config(values(workdir, workdir / "resume-2", model_config=wider)), progress=False)
 
 
 @pytest.mark.slow

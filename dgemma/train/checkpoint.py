@@ -65,11 +65,12 @@ def save_sharded_state(root: Path, step: int, state: dict[str, Any], extra: dict
                        keep: int, par) -> Path:
     """save_state for the ranks of a process group: all write their shards of `state` (weights and optimizer, by
     name) into one temporary directory; the main rank then adds the small files and renames it into place."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     tmp = _fresh_tmp(root, step) if par.main else root / f"step-{step:07d}.tmp"
     par.barrier()
-    dcp.save(state, checkpoint_id=tmp / "sharded")
+    dcp.save(state, checkpoint_id=tmp / "sharded", no_dist=not dist.is_initialized())
     par.barrier()  # every rank's shards are on disk
     path = _commit(root, tmp, extra, meta, keep) if par.main else root / tmp.name.removesuffix(".tmp")
     par.barrier()
