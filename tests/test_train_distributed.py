@@ -190,15 +190,27 @@ def test_two_fsdp_ranks_follow_the_one_process_loss_curve(full_runs):
     assert all(torch.allclose(a[k], b[k], atol=1e-3) for k in a)  # 4 steps at lr 1e-2 from float rounding
 
 
+def resumable_at_step_2(source: Path, out: Path) -> Path:
+    shutil.copytree(source / "checkpoints", out / "checkpoints")
+    shutil.rmtree(out / "checkpoints" / "step-0000004")
+    (out / "checkpoints" / "latest").write_text("step-0000002\n")
+    return out
+
+
+@pytest.mark.slow
+def test_one_process_checkpoint_resumes_on_two_ranks(workdir, full_runs):
+    one, _ = full_runs
+    out = resumable_at_step_2(one, workdir / "resume-one-on-2")
+    torchrun(2, values(workdir, out))
+    assert_same_curve(losses(one), losses(out), (3, 4))
+
+
 @pytest.mark.slow
 def test_two_rank_checkpoint_resumes_on_one_and_two_ranks(workdir, full_runs):
     _, two = full_runs
     expected = losses(two)
     for ranks in (1, 2):
-        out = workdir / f"resume-{ranks}"
-        shutil.copytree(two / "checkpoints", out / "checkpoints")
-        shutil.rmtree(out / "checkpoints" / "step-0000004")
-        (out / "checkpoints" / "latest").write_text("step-0000002\n")
+        out = resumable_at_step_2(two, workdir / f"resume-{ranks}")
         if ranks == 1:
             trainer = Trainer(make_config(values(workdir, out)), progress=False)
             assert trainer.step == 2

@@ -195,6 +195,20 @@ def load_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
                    options=StateDictOptions(ignore_frozen_params=True, strict=False))
 
 
+def load_whole_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor],
+                     optim: dict) -> None:
+    """A one-process training state (whole tensors; optimizer state keyed by parameter index) into this run's
+    sharded or replicated model and optimizer: every rank read the files and keeps its part."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]  # index -> name
+    by_name = {"state": {order[i]: s for i, s in optim["state"].items()},
+               "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optim["param_groups"]]}
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=by_name,
+                   options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True, strict=False))
+
+
 def gathered_state(model: torch.nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
     """Whole tensors on the main rank's CPU (empty elsewhere): a collective, every rank calls it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -169,12 +169,8 @@ class Trainer:
             state = distributed.training_state(self.model, self.optimizer)
             ckpt.load_sharded_state(path, state)
             distributed.load_training_state(self.model, self.optimizer, state)
-        elif self.par.world > 1:
-            raise DgemmaError(f"{path} was written by one process: resume it with one process (then its next "
-                              "checkpoint, written under torchrun, resumes on any number of ranks), or use --no-resume")
         else:
-            self._load_weights(path, weights)
-            self.optimizer.load_state_dict(extra["optimizer"])
+            self._load_weights(path, weights, extra["optimizer"])
         self.scheduler.load_state_dict(extra["scheduler"])
         self.generator.set_state(extra["generator"])
         torch.set_rng_state(extra["torch_rng"])
@@ -184,15 +180,19 @@ class Trainer:
         self.elapsed, self.history = meta["elapsed"], meta["history"]
         log.info("resumed from %s (step %d)", path, self.step)
 
-    def _load_weights(self, path: Path, weights: dict[str, torch.Tensor]) -> None:
+    def _load_weights(self, path: Path, weights: dict[str, torch.Tensor], optimizer: dict) -> None:
+        """A one-process state: whole trainable weights, the optimizer state by parameter index."""
         params = dict(self.model.named_parameters())
         missing = [n for n, p in params.items() if p.requires_grad and n not in weights]
         if missing or any(n not in params or params[n].shape != w.shape for n, w in weights.items()):
             raise DgemmaError(f"{path}: the saved training state does not fit this model / LoRA setup; "
                               "use another --out or --no-resume")
+        if self.par.world > 1:
+            return distributed.load_whole_state(self.model, self.optimizer, weights, optimizer)
         with torch.no_grad():
             for n, w in weights.items():
                 params[n].copy_(w)
+        self.optimizer.load_state_dict(optimizer)
 
     # -- training ------------------------------------------------------------------------------------------------
 
