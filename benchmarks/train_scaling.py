@@ -5,7 +5,8 @@ per-step losses side by side and its tokens/s.
     python benchmarks/train_scaling.py                          # bundled model, full fine-tuning, 20 steps, 2 ranks
     python benchmarks/train_scaling.py --lora --parallel ddp
 
-The one-process run gets --threads N (the same cores as the N single-threaded ranks). tokens/s is the global
+Every rank, and the one process, runs one thread (one core per rank: the scaling of ranks, not of threads; two
+threads per process on a busy 2-core machine spend most of their time in OpenMP barriers). tokens/s is the global
 batch's clean tokens over the wall time of steps 2..last (the first step pays for warm-up); with --device cpu the
 ranks talk through gloo. The losses come from log.jsonl (5 decimals). The last stdout line is JSON.
 """
@@ -34,7 +35,7 @@ def run(args, data: Path, out: Path, ranks: int) -> dict:
              "--warmup", "2", "--lr", str(args.lr), "--config", str(config), "--device", args.device,
              "--parallel", args.parallel, "--no-progress", *(["--lora"] if args.lora else [])]
     if ranks == 1:
-        cmd = [sys.executable, "-m", "dgemma", *flags, "--threads", str(args.ranks)]
+        cmd = [sys.executable, "-m", "dgemma", *flags, "--threads", "1"]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                "-m", "dgemma", *flags, "--threads", "1"]
