@@ -231,25 +231,16 @@ def test_lora_under_fsdp_and_ddp_follow_one_process(workdir):
     if not base.exists():
         Trainer(make_config(values(workdir, workdir / "scratch", steps=1, eval_every=0)), progress=False).run()
         (workdir / "scratch" / "final").rename(base)
-    lora = dict(model=str(base), model_config=None, lora=True, lora_r=4, lora_alpha=8, steps=3, save_every=0,
-                lora_targets=["attention", "mlp", "experts"], lr=5e-2, eval_every=3)
+    lora = dict(model=str(base), model_config=None, lora=True, lora_r=4, lora_alpha=8, steps=2, save_every=0,
+                lora_targets=["attention", "mlp", "experts"], lr=5e-2, eval_every=2)
     one = workdir / "lora-one"
     Trainer(make_config(values(workdir, one, **lora)), progress=False).run()
     reference = load_file(one / "adapter" / "adapter_model.safetensors")
     for parallel in ("fsdp", "ddp"):
         out = workdir / f"lora-{parallel}"
         torchrun(2, values(workdir, out, **lora, parallel=parallel))
-        assert_same_curve(losses(one), losses(out), range(1, 4))
+        assert_same_curve(losses(one), losses(out), range(1, 3))
         adapter = load_file(out / "adapter" / "adapter_model.safetensors")
         assert adapter.keys() == reference.keys()
         assert all(torch.allclose(adapter[k], reference[k], atol=1e-4) for k in adapter)
         assert (out / "final" / "model.safetensors").is_file()
-
-
-@pytest.mark.slow
-def test_torchrun_bad_batch_size_fails_before_any_work(workdir):
-    out = workdir / "bad"
-    proc = torchrun(2, values(workdir, out, batch_size=3), check=False)
-    assert proc.returncode != 0
-    assert "error: batch_size=3 is not divisible by the 2 ranks" in proc.stderr
-    assert not out.exists()

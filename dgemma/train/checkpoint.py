@@ -65,12 +65,11 @@ def save_sharded_state(root: Path, step: int, state: dict[str, Any], extra: dict
                        keep: int, par) -> Path:
     """save_state for the ranks of a process group: all write their shards of `state` (weights and optimizer, by
     name) into one temporary directory; the main rank then adds the small files and renames it into place."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     tmp = _fresh_tmp(root, step) if par.main else root / f"step-{step:07d}.tmp"
     par.barrier()
-    dcp.save(state, checkpoint_id=tmp / "sharded", no_dist=not dist.is_initialized())
+    _dcp(dcp.save, state, tmp / "sharded")
     par.barrier()  # every rank's shards are on disk
     path = _commit(root, tmp, extra, meta, keep) if par.main else root / tmp.name.removesuffix(".tmp")
     par.barrier()
@@ -79,7 +78,6 @@ def save_sharded_state(root: Path, step: int, state: dict[str, Any], extra: dict
 
 def load_sharded_state(path: Path, state: dict[str, Any]) -> None:
     """Fill `state` (tensors of this run's shapes and sharding) from a sharded training state, in place."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     saved = dcp.FileSystemReader(str(path / "sharded")).read_metadata().state_dict_metadata
@@ -88,7 +86,18 @@ def load_sharded_state(path: Path, state: dict[str, Any]) -> None:
     if bad := sorted(k for k, shape in wanted.items() if k not in have or tuple(have[k]) != tuple(shape)):
         raise DgemmaError(f"{path}: the saved training state does not fit this model / LoRA setup ({bad[0]}"
                           f"{' and more' if len(bad) > 1 else ''}); use another --out or --no-resume")
-    dcp.load(state, checkpoint_id=path / "sharded", no_dist=not dist.is_initialized())  # one process reads too
+    _dcp(dcp.load, state, path / "sharded")
+
+
+def _dcp(fn, state: dict[str, Any], path: Path) -> None:
+    """dcp.save / dcp.load; one process (no process group) reads and writes too, without DCP's warning about it."""
+    import warnings
+
+    import torch.distributed as dist
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        fn(state, checkpoint_id=path, no_dist=not dist.is_initialized())
 
 
 def _flat_tensors(state: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
