@@ -155,7 +155,7 @@ class Trainer:
             "loader": self.loader.state_dict(),
         }
         meta = {"step": self.step, "tokens_seen": self.tokens_seen, "elapsed": self.elapsed,
-                "history": self.history, "config": self.cfg.to_dict(), "world_size": self.par.world}
+                "history": self.history, "config": self.cfg.to_dict()}
         root = self.out / "checkpoints"
         if self.par.world > 1:
             state = distributed.training_state(self.model, self.optimizer)
