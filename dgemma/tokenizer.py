@@ -47,6 +47,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
+    def pieces(self, ids: list[int]) -> list[str]:
+        """Each id's own text (special tokens by name), to show a canvas position by position."""
+        return self.tok.decode_batch([[i] for i in ids], skip_special_tokens=False)
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise DgemmaError("this checkpoint has no chat template; send a plain prompt instead")
