@@ -173,7 +173,8 @@ def test_api_key_and_readable_errors(tmp_path_factory, page):
         _send(page, "Hello", "error")
         error = page.text_content("#error")
         assert error.startswith("400") and "dgemma_sampling.max_denoising_steps" in error
-        assert page.locator("#history li").count() == 0  # the refused turn is not kept
+        assert page.locator("#history li").count() == 0  # the refused turn is not kept, its prompt is back
+        assert page.input_value("#prompt") == "Hello"
         page.click("#defaults")
         _send(page, "Hello")  # the key goes with the POST too
     finally:

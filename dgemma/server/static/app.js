@@ -140,6 +140,7 @@ async function send(event) {
     body.prompt = prompt;
   }
   const target = answerTarget(prompt);
+  if (chat) $("prompt").value = "";  // back if the request is refused
   state.controller = new AbortController();
   state.recording = [];
   const t0 = performance.now();
@@ -170,8 +171,11 @@ async function send(event) {
       finishTurn(chat, prompt, answer);
       setState("stopped");
     } else {
-      if (!answer) target.turn.forEach((li) => li.remove());
-      else addNote(target.holder, "failed");
+      if (answer) addNote(target.holder, "failed");
+      else {
+        target.turn.forEach((li) => li.remove());
+        if (chat) $("prompt").value = prompt;
+      }
       showError(e.readable || String(e));
       setState("error");
     }
@@ -182,9 +186,7 @@ async function send(event) {
 }
 
 function finishTurn(chat, prompt, answer) {
-  if (!chat) return;
-  state.history.push({ role: "user", content: prompt }, { role: "assistant", content: answer });
-  $("prompt").value = "";
+  if (chat) state.history.push({ role: "user", content: prompt }, { role: "assistant", content: answer });
 }
 
 function stop() {

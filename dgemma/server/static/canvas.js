@@ -79,7 +79,10 @@ export class CanvasView {
 
   // The answer ended: the last canvas committed. usage: the API's usage object, or null.
   finish(usage, seconds) {
+    const drafted = this.last !== null || this.els.stats.rows.length > 0;
     if (this.last) this.closeCanvas();
+    const counter = this.els.counter;
+    counter.textContent = drafted ? `${counter.textContent} · done` : "done · the server sent no drafts";
     if (usage) {
       this.els.usage.textContent = `· ${usage.completion_tokens} tokens in ${seconds.toFixed(2)} s`;
     }
