@@ -76,11 +76,17 @@ def test_dgemma_sampling_reaches_the_sampler(server):
         "prompt": "Hi", "max_tokens": 16, "seed": 4, **extra}).json()["choices"][0]["text"]
         for extra in ({"temperature": 1.2}, {"dgemma_sampling": {"t_max": 1.2, "t_min": 0.6}})]
     assert texts[0] == texts[1]
+    # temperatures near zero are near-greedy, as `temperature=0` is, not an overflow into padding
+    greedy = [httpx.post(server.url + "/v1/completions", headers=AUTH, json={
+        "prompt": "Hi", "max_tokens": 8, "seed": 4, **extra}).json()["choices"][0]["text"]
+        for extra in ({"temperature": 0}, {"dgemma_sampling": {"t_max": 1e-300, "t_min": 0.0}})]
+    assert greedy[0] == greedy[1] and greedy[0]
 
 
 @pytest.mark.parametrize("body, param", [
     ({"dgemma_sampling": {"max_denoising_steps": 0}}, "dgemma_sampling.max_denoising_steps"),
     ({"dgemma_sampling": {"entropy_bound": -1.0}}, "dgemma_sampling.entropy_bound"),
+    ({"dgemma_sampling": {"t_max": -0.5}}, "dgemma_sampling.t_max"),
     ({"dgemma_sampling": {"t_min": 0.9, "t_max": 0.2}}, "dgemma_sampling.t_max"),
     ({"dgemma_sampling": {"max_denoising_steps": 2.5}}, "dgemma_sampling.max_denoising_steps"),
     ({"temperature": 0.5, "dgemma_sampling": {"t_min": 0.1}}, "dgemma_sampling"),
