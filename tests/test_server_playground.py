@@ -41,6 +41,7 @@ def _drafts(server, **body) -> list[dict]:
 
 def test_page_and_files_are_public_and_same_origin(server):
     page = httpx.get(server.url + "/")  # no key: the page asks for it
+    assert httpx.head(server.url + "/").status_code == 200
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     policy = page.headers["content-security-policy"]
     assert "default-src 'self'" in policy and "script-src 'self'" in policy and "connect-src 'self'" in policy

@@ -19,6 +19,6 @@ HEADERS = {"Content-Security-Policy": POLICY, "X-Content-Type-Options": "nosniff
 def install(app: FastAPI) -> None:
     app.mount("/playground", StaticFiles(directory=STATIC), name="playground")
 
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def page() -> FileResponse:
         return FileResponse(STATIC / "index.html", media_type="text/html; charset=utf-8", headers=HEADERS)

@@ -13,7 +13,10 @@ const PARAMS = { "max-tokens": "max_tokens", steps: "max_denoising_steps", "t-ma
                  "entropy-bound": "entropy_bound" };
 
 // ---- page state -------------------------------------------------------------------------------------------
+const SAID = { done: "The answer is complete.", stopped: "Stopped." };
+
 function setState(name) {
+  if (SAID[name] && document.body.dataset.state !== name) $("announce").textContent = SAID[name];
   document.body.dataset.state = name;
   const busy = name === "running" || name === "replaying";
   $("send").disabled = busy || !state.model;
