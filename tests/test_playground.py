@@ -13,7 +13,8 @@ import pytest
 from browser import chromium, why_no_browser
 from server_fixtures import served_checkpoint, start_server, wait_until
 
-pytestmark = pytest.mark.skipif(why_no_browser() is not None, reason=f"playground browser tests: {why_no_browser()}")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(why_no_browser() is not None, reason=f"playground browser tests: {why_no_browser()}")]
 KEY = "sk-play-7c1e"
 WAIT_MS = 30_000
 # Records every distinct look of the canvas (each position's text and state) while the page runs.

@@ -209,8 +209,8 @@ class Service:
 def _overrides(body: OpenAIRequest) -> dict[str, Any]:
     """The dgemma_sampling fields set; temperatures in [0, GREEDY_T / 2) count as GREEDY_T / 2, the floor
     `schedule` gives `temperature` (sampling is greedy there; 1 / T stays finite). Negative ones stay refused."""
-    out = body.dgemma_sampling.overrides() if body.dgemma_sampling is not None else {}
-    return out | {k: GREEDY_T / 2 for k in ("t_min", "t_max") if 0 <= out.get(k, 1) < GREEDY_T / 2}
+    out, floor = body.dgemma_sampling.overrides() if body.dgemma_sampling is not None else {}, GREEDY_T / 2
+    return out | {k: floor for k, v in out.items() if k in ("t_min", "t_max") and 0 <= v < floor}
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
