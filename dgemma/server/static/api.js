@@ -5,6 +5,7 @@ const WHAT = {
   400: "the request was refused",
   401: "the API key is missing or wrong",
   404: "not found",
+  408: "the request ran past its deadline",
   413: "the request is too large",
   429: "the server is at capacity: retry in a moment",
   503: "the server is loading or shutting down",
@@ -76,7 +77,7 @@ export class Client {
           if (data === "[DONE]") return;
           const chunk = JSON.parse(data);
           if (chunk.error) {
-            const status = chunk.error.type === "service_unavailable_error" ? 503 : 500;
+            const status = { service_unavailable_error: 503, timeout_error: 408 }[chunk.error.type] || 500;
             throw new ApiError(status, chunk.error.message, chunk.error.param);
           }
           yield chunk;
