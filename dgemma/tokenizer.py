@@ -26,6 +26,7 @@ class Tokenizer:
         self.bos_token = _token_text(config.get("bos_token")) or "<bos>"
         self.eos_token = _token_text(config.get("eos_token")) or "<eos>"
         self.add_bos = bool(config.get("add_bos_token", True))
+        self._pieces: dict[int, str] = {}
 
     @classmethod
     def maybe_load(cls, directory: Path) -> Tokenizer | None:
@@ -54,6 +55,13 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+    def pieces(self, ids: list[int]) -> list[str]:
+        """Each id's own text (special tokens by name), to show a canvas position by position. Remembered per id
+        (at most the vocabulary): drafts repeat most ids from step to step."""
+        if missing := list({i for i in ids if i not in self._pieces}):
+            self._pieces.update(zip(missing, self.tok.decode_batch([[i] for i in missing], skip_special_tokens=False)))
+        return [self._pieces[i] for i in ids]
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:

@@ -100,10 +100,12 @@ class Request:
 
 @dataclass
 class Event:
-    """draft: the visible part of the current canvas; commit: newly committed ids; finish: the request ended."""
+    """draft: the visible part of the current canvas (`accepted`: which of its positions the step kept);
+    commit: newly committed ids; finish: the request ended."""
 
     request_id: str
     kind: Literal["draft", "commit", "finish"]
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[Entry] | None = None  # commit: one entry per committed id, when the request asked
+    accepted: list[bool] = field(default_factory=list)

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from dgemma import __version__
 from dgemma.api import Model
-from dgemma.server import errors, security
+from dgemma.server import errors, playground, security
 from dgemma.server.config import ServerConfig
 from dgemma.server.protocol import (
     ChatCompletionRequest,
@@ -68,6 +68,7 @@ def create_app(config: ServerConfig, loader: Callable[[], Model],
     api = APIRouter(dependencies=[Depends(keys.dependency())] if keys else [], route_class=OffLoopJson)
     _routes(api, service)
     app.include_router(api)
+    playground.install(app)
 
     @app.get("/health", response_model=None, responses=_responses(Health, 503))
     async def health() -> Any:
@@ -105,7 +106,7 @@ def _routes(api: APIRouter, service: Service) -> None:
     def card() -> dict[str, Any]:
         context = service.model.max_context if service.model is not None else None
         return {"id": name, "object": "model", "created": service.created, "owned_by": "dgemma",
-                "max_model_len": context}
+                "max_model_len": context, "dgemma_defaults": service.defaults()}
 
     @api.get("/v1/models", response_model=None, responses=_responses(ModelList, 401))
     async def list_models() -> Any:

@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("uvicorn.access").addFilter(RedactQuery())
     server = _uvicorn_server(uv, app.state.service)
     host, port = sock.getsockname()[:2]
-    log.info("serving %s on http://%s:%d (API key %s)", config.model_name, _url_host(host), port,
+    log.info("serving %s on http://%s:%d (API key %s; playground at /)", config.model_name, _url_host(host), port,
              "required" if config.api_keys else "not required")
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
     try:  # uvicorn re-raises a caught signal after its graceful shutdown; these no-ops make that a clean exit

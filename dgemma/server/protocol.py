@@ -63,6 +63,18 @@ class StreamOptions(_Strict):
     include_usage: bool = Field(False, description="send a last chunk with usage and empty choices")
 
 
+class DgemmaSampling(_Strict):
+    """dgemma extension: the denoising options OpenAI has no field for (SamplingParams checks the ranges)."""
+
+    max_denoising_steps: int | None = Field(None, description="most denoising steps per canvas")
+    entropy_bound: float | None = Field(None, description="entropy budget of the positions one step accepts")
+    t_min: float | None = Field(None, description="temperature at the last step (instead of `temperature`)")
+    t_max: float | None = Field(None, description="temperature at the first step (instead of `temperature`)")
+
+    def overrides(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
 class OpenAIRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions. Fields OpenAI does not define are kept aside
     (`ignored_fields`) and named in the response's X-Dgemma-Ignored-Fields header."""
@@ -89,7 +101,11 @@ class OpenAIRequest(_Strict):
         "streaming) and its batch row freed; capped by the server's --request-timeout"))
     dgemma_drafts: bool = Field(False, description=(
         "dgemma extension (stream only): also send each denoising step's draft canvas per choice, as chunks "
-        "with an empty delta and a `dgemma_draft` field that standard clients ignore"))
+        "with an empty delta and a `dgemma_draft` field that standard clients ignore: the canvas's `token_ids`, "
+        "`text`, each position's own text (`tokens`) and whether the step accepted it (`accepted`)"))
+    dgemma_sampling: DgemmaSampling | None = Field(None, description=(
+        "dgemma extension: denoising steps, entropy bound and the temperature schedule; omitted fields keep the "
+        "checkpoint's (GET /v1/models shows them)"))
 
     def unsupported(self) -> tuple[str, str] | None:
         """The first field that asks for a feature this server does not have: (param, what)."""
@@ -289,12 +305,24 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class SamplingDefaults(BaseModel):
+    """What a request gets when it leaves a field out (dgemma extension of the model card)."""
+
+    max_tokens: int
+    max_denoising_steps: int
+    entropy_bound: float
+    t_min: float
+    t_max: float
+    canvas_length: int
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
     max_model_len: int | None = None
+    dgemma_defaults: SamplingDefaults | None = None
 
 
 class ModelList(BaseModel):

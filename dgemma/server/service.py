@@ -140,6 +140,9 @@ class Service:
             raise bad_request("stream_options needs stream=true", "stream_options")
         if body.dgemma_drafts and not body.stream:
             raise bad_request("dgemma_drafts needs stream=true", "dgemma_drafts")
+        if body.temperature is not None and {"t_min", "t_max"} & _overrides(body).keys():
+            raise bad_request("temperature and dgemma_sampling.t_min / t_max both set the schedule; send one",
+                              "dgemma_sampling")
         choices = body.n * len(prompts)
         if choices > self.config.max_n:
             raise bad_request(f"n x prompts = {choices} choices; this server allows at most {self.config.max_n} "
@@ -167,6 +170,7 @@ class Service:
         plans, prompt_tokens = [], 0
         tokens_param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
         names = {"prompt": param, "max_new_tokens": tokens_param}
+        names |= {k: f"dgemma_sampling.{k}" for k in _overrides(body)}
         limit = self.model.prompt_limit(self.config.limits)
         for prompt in prompts:
             try:
@@ -192,11 +196,29 @@ class Service:
         greedy = body.temperature is not None and body.temperature < GREEDY_T
         base = 0 if body.seed is None and greedy else body.seed
         first = model.params(max_new_tokens=new, seed=base, stop=_stops(body.stop), grammar=body.grammar(),
-                             logprobs=body.logprob_count(), **schedule(body.temperature), **body.seeded())
+                             logprobs=body.logprob_count(), **schedule(body.temperature), **_overrides(body),
+                             **body.seeded())
         model.check_request(ids, first, self.config.limits, self.config.mode)
         if base is None:
             return [first] * body.n
         return [first] + [first.replace(seed=(base + i) % (MAX_SEED + 1)) for i in range(1, body.n)]
+
+    def defaults(self) -> dict[str, Any] | None:
+        """What a request gets for the sampling fields it leaves out (None until the model is loaded)."""
+        if self.model is None:
+            return None
+        d = self.model.defaults
+        return {"max_tokens": min(d.max_new_tokens, self.config.max_tokens or d.max_new_tokens),
+                "max_denoising_steps": d.max_denoising_steps, "entropy_bound": d.entropy_bound, "t_min": d.t_min,
+                "t_max": d.t_max, "canvas_length": self.model.module.cfg.canvas_length}
+
+
+def _overrides(body: OpenAIRequest) -> dict[str, Any]:
+    """The dgemma_sampling fields set; temperatures in [0, GREEDY_T / 2) count as GREEDY_T / 2, the floor
+    `schedule` gives `temperature` (sampling is greedy there; 1 / T stays finite). Negative ones stay refused."""
+    out, floor = body.dgemma_sampling.overrides() if body.dgemma_sampling is not None else {}, GREEDY_T / 2
+    return out | {k: floor for k, v in out.items() if k in ("t_min", "t_max") and 0 <= v < floor}
+
 
 def _earliest(*timeouts: float | None) -> float | None:
     return min((t for t in timeouts if t is not None), default=None)
@@ -310,7 +332,8 @@ class Generation:
 
     def _output(self, c: _Choice, item: StreamEvent) -> Output | None:
         if item.kind == "draft":
-            draft = {"canvas": item.canvas, "step": item.step, "text": item.text, "token_ids": item.token_ids}
+            draft = {"canvas": item.canvas, "step": item.step, "text": item.text, "token_ids": item.token_ids,
+                     "tokens": item.pieces, "accepted": item.accepted}
             return Output("draft", c.index, draft=draft)
         if item.kind == "text":
             if c.t_first is None and item.token_ids:
