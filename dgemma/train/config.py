@@ -19,6 +19,8 @@ LORA_GROUPS = {
     "self_conditioning": ["self_conditioning.gate_proj", "self_conditioning.up_proj",
                           "self_conditioning.down_proj"],
 }
+PARALLEL = ("fsdp", "ddp")  # how torchrun's ranks share the model (train/distributed.py)
+BACKENDS = ("auto", "gloo", "nccl")
 
 
 @dataclass
@@ -70,6 +72,10 @@ class TrainConfig:
     save_dtype: str = "float32"  # dtype of the exported checkpoint
     generation: dict[str, Any] = field(default_factory=dict)  # generation_config.json overrides
     resume: bool = True
+    # many devices (under torchrun; train/distributed.py) and activation memory
+    parallel: str = "fsdp"  # fsdp: shard weights, gradients, optimizer | ddp: replicate (LoRA with a base that fits)
+    backend: str = "auto"  # auto: nccl on cuda, gloo on cpu
+    activation_checkpointing: bool = False  # rerun each layer in backward instead of keeping its activations
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
@@ -113,6 +119,9 @@ class TrainConfig:
         if self.precision not in ("auto", *NAMES):
             raise ConfigError(f"precision={self.precision!r} must be one of auto, {', '.join(NAMES)}")
         parse_dtype(self.save_dtype, "save_dtype")
+        if self.parallel not in PARALLEL or self.backend not in BACKENDS:
+            raise ConfigError(f"parallel={self.parallel!r} must be one of {', '.join(PARALLEL)} and "
+                              f"backend={self.backend!r} one of {', '.join(BACKENDS)}")
         if self.ar_weight < 0 or self.clip < 0 or self.weight_decay < 0:
             raise ConfigError("ar_weight, clip and weight_decay must be >= 0")
         from dgemma.train.checkpoint import sampling_params
