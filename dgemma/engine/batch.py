@@ -17,9 +17,9 @@ from dgemma.sampling import StableConfidentStopper, StepOutput, finalize_canvas,
 
 def prefill(model: DiffusionGemma, rows: list[Request], pad_id: int, room: int,
             own_positions: bool) -> tuple[KVCache, Tensor]:
-    """One encoder pass over the rows' prompts, left-padded; returns the cache (with `room` free slots) and each
-    row's left pad [B]. With `own_positions` each row's positions start at 0 after its padding; otherwise the
-    batch shares positions, as transformers does."""
+    """The encoder over the rows' prompts, left-padded, in chunks (`DiffusionGemma.prefill`); returns the cache
+    (with `room` free slots) and each row's left pad [B]. With `own_positions` each row's positions start at 0
+    after its padding; otherwise the batch shares positions, as transformers does."""
     device, n = model.device, max(len(r.prompt) for r in rows)
     pads = torch.tensor([n - len(r.prompt) for r in rows], device=device)
     ids = torch.tensor([[pad_id] * (n - len(r.prompt)) + r.prompt for r in rows], device=device)
@@ -29,7 +29,7 @@ def prefill(model: DiffusionGemma, rows: list[Request], pad_id: int, room: int,
     for r in rows:
         r.stats.t_start = time.perf_counter()
     padded = any(len(r.prompt) < n for r in rows)  # known on the host: no device read to find out
-    model.encode(ids, cache, valid=slots >= pads[:, None] if padded else None, positions=positions)
+    model.prefill(ids, cache, valid=slots >= pads[:, None] if padded else None, positions=positions)
     return cache, pads
 
 

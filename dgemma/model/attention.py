@@ -21,11 +21,14 @@ from dgemma.model.layers import Linear, RMSNorm, apply_rope, rope_inv_freq
 # Flash kernels take head dims up to this; past it (and with a mask) CUDA SDPA uses the memory-efficient kernel,
 # which does not broadcast GQA heads itself: without expanded kv it would fall back to math.
 FLASH_MAX_HEAD_DIM = 256
+# Mask entries one SDPA call takes at most (its float copy: 4 MB at float32).
+MASK_FLOATS = 1 << 20
 
 
 class Span(NamedTuple):
-    """Queries see cached slots lo.. and their own: through `mask` [B, 1, n or 1, slots] if given, causally
-    (SDPA's is_causal: nothing cached before, square scores) if `causal`, else everything."""
+    """Queries see cached slots lo.. and their own: through `mask` [B, 1, n or 1, keys] if given (keys in the
+    order `KVCache.view` returns them), causally (SDPA's is_causal: nothing cached before, square scores) if
+    `causal`, else everything."""
 
     lo: int
     mask: torch.Tensor | None = None
@@ -33,7 +36,14 @@ class Span(NamedTuple):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: Span) -> torch.Tensor:
-    """SDPA over q [B, heads, n, D], k/v [B, kv_heads, S, D] with score scale 1.0."""
+    """SDPA over q [B, heads, n, D], k/v [B, kv_heads, S, D] with score scale 1.0. A mask with many query rows
+    (a prefill chunk after a long cache) is taken a block of rows at a time: SDPA turns a boolean mask into a
+    float copy, which would otherwise grow with the cache."""
+    m = span.mask
+    rows = max(1, MASK_FLOATS // k.shape[2])
+    if m is not None and m.shape[-2] > rows:
+        return torch.cat([attend(q[:, :, i:i + rows], k, v, span._replace(mask=m[..., i:i + rows, :]))
+                          for i in range(0, q.shape[2], rows)], dim=2)
     groups = q.shape[1] // k.shape[1]
     if groups > 1 and q.is_cuda and (span.mask is not None or q.shape[-1] > FLASH_MAX_HEAD_DIM):
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -73,8 +83,7 @@ class Attention(nn.Module):
         v = self.v_norm(v)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         if write:
-            cache.write(self.layer, start, k, v)
-            keys, values = cache.slice(self.layer, span.lo, start + n)
+            keys, values = cache.view(self.layer, span.lo, start, k, v)
         else:
             keys, values = cache.slice(self.layer, span.lo, start)
             keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)

@@ -16,6 +16,10 @@ from dgemma.model.attention import Attention, Span
 from dgemma.model.layers import GatedMLP, RMSNorm, matmul, rope_cos_sin
 from dgemma.model.moe import Experts, Router
 
+# Prompt tokens encoded per pass by `prefill`: bounds activation memory (MoE rows, attention masks) at any
+# prompt length while keeping each pass large enough to use the matmul units well.
+PREFILL_CHUNK = 512
+
 
 class Block(nn.Module):
     """Attention, then a dense MLP and an MoE in parallel on the same residual, then the layer scalar."""
@@ -81,7 +85,8 @@ class DiffusionGemma(nn.Module):
         return self.embed_tokens.weight.device
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
-        return KVCache(self.cfg.text, batch, capacity, self.dtype, self.device)
+        """A cache for inference: sliding layers keep a ring of window - 1 + canvas slots."""
+        return KVCache(self.cfg.text, batch, capacity, self.dtype, self.device, room=self.cfg.canvas_length)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight
@@ -102,11 +107,25 @@ class DiffusionGemma(nn.Module):
     def encode(self, ids: torch.Tensor, cache: KVCache, valid: torch.Tensor | None = None,
                positions: torch.Tensor | None = None) -> torch.Tensor:
         """Causal pass over new tokens ids [B, L]; appends them to the cache; returns normed hidden [B, L, H]."""
+        return self.norm(self._encode(ids, cache, valid, positions))
+
+    def prefill(self, ids: torch.Tensor, cache: KVCache, valid: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, chunk: int | None = PREFILL_CHUNK) -> torch.Tensor:
+        """`encode` in chunks of at most `chunk` tokens (None: one pass), so activation memory stays that of one
+        chunk whatever the prompt's length; returns the last position's normed hidden state [B, H]."""
+        n = ids.shape[1]
+        step = chunk or n
+        for i in range(0, n, step):
+            part = slice(i, i + step)
+            x = self._encode(ids[:, part], cache, None if valid is None else valid[:, part],
+                             None if positions is None else positions[:, part])
+        return self.norm(x[:, -1])
+
+    def _encode(self, ids, cache, valid, positions):
         n = ids.shape[1]
         start = cache.reserve(n, valid)
         spans = {s: self._encoder_span(cache, start, n, s) for s in (True, False)}
-        x = self._run(self.embed(ids), cache, start, n, positions, spans, encoder=True)
-        return self.norm(x)
+        return self._run(self.embed(ids), cache, start, n, positions, spans, encoder=True)
 
     def denoise(self, canvas: torch.Tensor, cache: KVCache, signal: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, context: torch.Tensor | None = None) -> torch.Tensor:
@@ -141,20 +160,31 @@ class DiffusionGemma(nn.Module):
         return x
 
     def _encoder_span(self, cache: KVCache, start: int, n: int, sliding: bool) -> Span:
-        """Causal attention over slots lo..start+n. No mask where nothing visible is padding and the sliding
-        window cuts no query's view short: one new token sees every slot; a first chunk is plain causal."""
+        """Causal attention over slots lo..start+n. No mask where the keys are exactly those slots, nothing
+        visible is padding and the sliding window cuts no query's view short: one new token sees every slot; a
+        first chunk is plain causal."""
         lo = cache.window_start(sliding, start)
+        first, slots = cache.layout(sliding, lo, start, n)
         window_cuts = sliding and start + n - self.cfg.text.sliding_window > lo
-        if not cache.has_padding(lo) and not window_cuts and (n == 1 or start == lo):
+        exact = first == lo and slots is None
+        if exact and not cache.has_padding(lo) and not window_cuts and (n == 1 or start == lo):
             return Span(lo, causal=n > 1)
-        q = torch.arange(start, start + n, device=cache.valid.device)[:, None]
-        kv = torch.arange(lo, start + n, device=cache.valid.device)[None, :]
-        allowed = kv <= q
+        device = cache.valid.device
+        kv = torch.arange(first, start + n, device=device) if slots is None else slots
+        q = torch.arange(start, start + n, device=device)[:, None]
+        mask = kv[None] <= q  # [n, keys]: the one mask-sized tensor unless something is padding
         if sliding:
-            allowed = allowed & (kv > q - self.cfg.text.sliding_window)
-        mask = allowed[None] & cache.valid[:, None, lo:start + n]
-        mask = mask | (kv == q)[None]  # padding queries attend to themselves: no empty softmax rows
+            mask &= kv[None] > q - self.cfg.text.sliding_window
+        if not cache.has_padding(first):
+            return Span(lo, mask[None, None])
+        mask = mask[None] & self._valid(cache, kv, slots, first, start + n)[:, None]
+        mask |= (kv[None] == q)[None]  # padding queries attend to themselves: no empty softmax rows
         return Span(lo, mask[:, None])
+
+    @staticmethod
+    def _valid(cache: KVCache, kv: torch.Tensor, slots: torch.Tensor | None, first: int, hi: int) -> torch.Tensor:
+        """[B, keys] whether each key's slot holds a real token."""
+        return cache.valid[:, first:hi] if slots is None else cache.valid[:, kv]
 
     def _context_mask(self, cache: KVCache, context: torch.Tensor, n: int, sliding: bool) -> torch.Tensor:
         slots = torch.arange(cache.length, device=context.device)[None]
@@ -167,8 +197,9 @@ class DiffusionGemma(nn.Module):
         """The canvas sees all of itself and the valid cached slots; the cache knows on the host whether any
         visible slot is padding, so the unpadded case needs no device read and no mask."""
         lo = cache.window_start(sliding, start)
-        if not cache.has_padding(lo):
+        first, slots = cache.layout(sliding, lo, start, n)
+        if first >= lo and not cache.has_padding(lo):
             return Span(lo)
-        past = cache.valid[:, lo:start]
-        mask = torch.cat([past, past.new_ones(past.shape[0], n)], dim=1)
+        kv = torch.arange(first, start + n, device=cache.valid.device) if slots is None else slots
+        mask = (kv >= lo)[None] & (self._valid(cache, kv, slots, first, start + n) | (kv >= start)[None])
         return Span(lo, mask[:, None, None, :])
