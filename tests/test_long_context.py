@@ -73,29 +73,30 @@ def test_token_by_token_decoding_through_the_ring(pair):
 
 
 @torch.no_grad()
-def test_merged_rings_match_rows_alone(pair):
-    """Caches of different lengths (rings wrapped at different points) merged right-aligned give each row what
-    it gets alone, for the decoder and for the next commit."""
+def test_rows_with_caches_of_their_own_match_rows_alone(pair):
+    """Prompts of different lengths prefilled together (left-padded, rings wrapped at different points), each
+    row's cache extracted, then one batch over the list of caches (each row its own length and positions):
+    every row gets what it gets alone, for the decoder and for the next commit."""
     _, ours = pair
     r = _ring(ours)
     lengths = (2 * r + 3, r // 2, r + 1)
-    prompts = [_inputs(ours, 1, n, 0, seed=n)[0] for n in lengths]
+    n = max(lengths)
+    prompts = [_inputs(ours, 1, k, 0, seed=k)[0] for k in lengths]
     canvas = _inputs(ours, len(lengths), 1, 1, seed=9)[1][0]
-    parts, alone = [], []
-    for p, row in zip(prompts, canvas):
-        cache = ours.new_cache(1, 4)
-        ours.prefill(p, cache)
-        parts.append(cache)
+    padded = torch.cat([torch.nn.functional.pad(p, (n - p.shape[1], 0)) for p in prompts])
+    valid = torch.arange(n)[None] >= torch.tensor([n - k for k in lengths])[:, None]
+    group = ours.new_cache(len(lengths), 4)
+    ours.prefill(padded, group, valid=valid, positions=(torch.arange(n)[None] - (n - torch.tensor(lengths))[:, None]
+                                                        ).clamp(min=0), chunk=7)
+    caches = [group.extract(i, n - k, n) for i, k in enumerate(lengths)]
+    denoised = ours.head(ours.denoise(canvas, caches))
+    committed = ours.head(ours.encode(canvas, caches))
+    assert [c.length for c in caches] == [k + canvas.shape[1] for k in lengths]
+    for i, p in enumerate(prompts):
         solo = ours.new_cache(1, 4)
         ours.prefill(p, solo)
-        alone.append((ours.head(ours.denoise(row[None], solo)), ours.head(ours.encode(row[None], solo))))
-    merged, pads = KVCache.merge(parts, 4)
-    n, c = merged.length, canvas.shape[1]
-    positions = torch.arange(n, n + c)[None] - torch.tensor(pads)[:, None]
-    denoised = ours.head(ours.denoise(canvas, merged, positions=positions))
-    committed = ours.head(ours.encode(canvas, merged, positions=positions))
-    for i, (d, e) in enumerate(alone):
-        assert (denoised[i] - d[0]).abs().max() <= 1e-4 and (committed[i] - e[0]).abs().max() <= 1e-4
+        assert (denoised[i] - ours.head(ours.denoise(canvas[i:i + 1], solo))[0]).abs().max() <= 1e-4
+        assert (committed[i] - ours.head(ours.encode(canvas[i:i + 1], solo))[0]).abs().max() <= 1e-4
 
 
 def test_sliding_memory_stops_growing_past_the_window(pair):

@@ -30,6 +30,7 @@ class KVCache:
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
         self.length = 0
         self.padded_until = 0  # slots below may be padding; slots from here to length are valid
+        self.held_from = 0  # rings hold slots held_from..length (older ones, or the decoder's scratch, overwrote)
 
     @property
     def batch_size(self) -> int:
@@ -45,11 +46,12 @@ class KVCache:
         return sum(s.nbytes for s in self.stores)
 
     def ensure(self, needed: int) -> None:
-        """Room for slots up to `needed` (amortised doubling; rings stop at their size)."""
+        """Room for slots up to `needed` (amortised, see `LinearStore.ensure`; rings stop at their size)."""
         for s in self.stores:
             s.ensure(needed)
         if needed > self.capacity:
-            self.valid = torch.nn.functional.pad(self.valid, (0, max(needed, 2 * self.capacity) - self.capacity))
+            grown = max(needed, self.capacity + self.capacity // 4)
+            self.valid = torch.nn.functional.pad(self.valid, (0, grown - self.capacity))
 
     def reserve(self, n: int, valid: Tensor | None) -> int:
         """Claim `n` slots for new tokens (valid [B, n] or all valid); returns the first slot."""
@@ -59,7 +61,17 @@ class KVCache:
         if valid is not None and not bool(valid.all()):  # one read per masked prefill, none per step
             self.padded_until = start + n
         self.length = start + n
+        self._written(self.length)
         return start
+
+    def scratch(self, n: int) -> None:
+        """The decoder is about to put n keys in the slots after `length` (scratch, overwritten by the commit)."""
+        self.ensure(self.length + n)
+        self._written(self.length + n)
+
+    def _written(self, hi: int) -> None:
+        if self.room is not None:
+            self.held_from = max(self.held_from, hi - (self.cfg.sliding_window - 1 + self.room))
 
     def has_padding(self, lo: int) -> bool:
         """Whether any slot from `lo` to `length` may be padding in some row (host state, no device read)."""
@@ -83,31 +95,26 @@ class KVCache:
         """Slots lo..hi of a layer kept whole (training: the cache stays in the graph, nothing wraps)."""
         return self.stores[layer].slice(lo, hi)
 
-    def select(self, rows: list[int]) -> None:
-        """Keep only these batch rows (finished requests leave the batch)."""
-        index = torch.tensor(rows, device=self.valid.device)
-        for s in self.stores:
-            s.select(index)
-        self.valid = self.valid.index_select(0, index)
+    def extract(self, row: int, lo: int, hi: int) -> KVCache:
+        """Slots lo..hi of one row as a cache of its own (batch 1; slot lo becomes slot 0), ready to go on from
+        hi: a request's own cache out of a batched prefill (lo: its left padding), or a prefix of it to keep or
+        reuse; `holds(hi)` says whether the rings still hold what going on from hi needs."""
+        if not self.holds(hi):
+            raise ValueError(f"slots up to {hi} are no longer held (cache length {self.length})")
+        out = KVCache(self.cfg, 1, hi - lo, self.stores[0].dtype, self.valid.device, self.room)
+        for dst, src in zip(out.stores, self.stores):
+            first, k, v = src.ordered(self.length, row)  # slots first..length, in order
+            keep = max(first, lo, self.held_from if isinstance(src, RingStore) else 0)
+            dst.put(keep - lo, k[:, :, keep - first:hi - first], v[:, :, keep - first:hi - first])
+        out.valid[:, :hi - lo] = self.valid[row:row + 1, lo:hi]
+        out.length = hi - lo
+        out.padded_until = max(0, min(self.padded_until, hi) - lo)
+        out.held_from = max(0, self.held_from - lo)
+        if out.padded_until and bool(out.valid[:, :hi - lo].all()):
+            out.padded_until = 0  # one read per extract: a row cut from a left-padded batch has none left
+        return out
 
-    @classmethod
-    def merge(cls, caches: list[KVCache], capacity: int) -> tuple[KVCache, list[int]]:
-        """Stack caches of different lengths right-aligned (left padding); returns the cache and each
-        part's left-pad, so that a row's slot s holds its token s - pad."""
-        first = caches[0]
-        length = max(c.length for c in caches)
-        batch = sum(c.batch_size for c in caches)
-        out = cls(first.cfg, batch, max(capacity, length), first.stores[0].keys.dtype, first.valid.device, first.room)
-        out.length = length
-        out.padded_until = max(length - c.length + c.padded_until for c in caches)  # left pad, then each part's
-        pads, row = [], 0
-        for c in caches:
-            pad = length - c.length
-            rows = slice(row, row + c.batch_size)
-            for dst, src in zip(out.stores, c.stores):
-                lo, k, v = src.ordered(c.length)
-                dst.put(pad + lo, k, v, rows)
-            out.valid[rows, pad:length] = c.valid[:, :c.length]
-            pads.extend([pad] * c.batch_size)
-            row += c.batch_size
-        return out, pads
+    def holds(self, hi: int) -> bool:
+        """Whether every layer still holds the slots a pass going on from slot hi sees (rings keep only the
+        newest slots)."""
+        return hi <= self.length and max(0, self.window_start(True, hi)) >= self.held_from

@@ -24,6 +24,10 @@ class LinearStore:
         return self.keys.shape[2]
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.keys.dtype
+
+    @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
@@ -32,10 +36,11 @@ class LinearStore:
         return needed
 
     def ensure(self, needed: int) -> None:
-        """Hold at least min(needed, limit) indices (amortised doubling)."""
+        """Hold at least min(needed, limit) indices (amortised: at least a quarter more, so a long request's
+        cache never holds more than 1.25x its length)."""
         needed = self.limit(needed)
         if needed > self.size:
-            extra = max(needed, min(self.limit(2 * self.size), 2 * self.size)) - self.size
+            extra = self.limit(max(needed, self.size + self.size // 4)) - self.size
             pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, extra))  # noqa: E731
             self.keys, self.values = pad(self.keys), pad(self.values)
 
@@ -55,12 +60,9 @@ class LinearStore:
     def slice(self, lo: int, hi: int) -> tuple[Tensor, Tensor]:
         return self.keys[:, :, lo:hi], self.values[:, :, lo:hi]
 
-    def ordered(self, length: int) -> tuple[int, Tensor, Tensor]:
-        """(first slot, keys, values) of every slot still held below `length`, in slot order."""
-        return (0, *self.slice(0, length))
-
-    def select(self, index: Tensor) -> None:
-        self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
+    def ordered(self, length: int, row: int) -> tuple[int, Tensor, Tensor]:
+        """(first slot, keys, values) of one row's slots still held below `length`, in slot order."""
+        return 0, self.keys[row:row + 1, :, :length], self.values[row:row + 1, :, :length]
 
 
 class RingStore(LinearStore):
@@ -109,8 +111,8 @@ class RingStore(LinearStore):
         self.put(start, k, v)
         return keys, values
 
-    def ordered(self, length: int) -> tuple[int, Tensor, Tensor]:
+    def ordered(self, length: int, row: int) -> tuple[int, Tensor, Tensor]:
         if length <= self.ring:
-            return super().ordered(length)
-        shift = -(length % self.ring)
-        return length - self.ring, self.keys.roll(shift, dims=2), self.values.roll(shift, dims=2)
+            return super().ordered(length, row)
+        shift, one = -(length % self.ring), slice(row, row + 1)
+        return length - self.ring, self.keys[one].roll(shift, dims=2), self.values[one].roll(shift, dims=2)

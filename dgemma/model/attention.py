@@ -1,7 +1,8 @@
 """Attention with q/k/v norms, per-layer head size and kv heads, score scale 1.0 and GQA.
 
-Full-attention layers have no v_proj: their values are the (v-normed) raw keys. A `Span` says which cached
-slots a pass sees and whether it needs a mask: plain causal prefill and unpadded batches call SDPA without one,
+Full-attention layers have no v_proj: their values are the (v-normed) raw keys. A pass's rows come in `Part`s, one
+per cache (one for a batch sharing a cache, one per request with caches of their own), and a `Span` says which
+cached slots a part sees and whether it needs a mask: plain causal prefill and unpadded batches call SDPA without one,
 so the fused kernels stay eligible (docs/kernels.md).
 """
 
@@ -33,6 +34,15 @@ class Span(NamedTuple):
     lo: int
     mask: torch.Tensor | None = None
     causal: bool = False
+
+
+class Part(NamedTuple):
+    """Rows of a pass that share one cache (the whole batch, or one request): the cache, the first slot their new
+    tokens take, and what they see."""
+
+    cache: KVCache
+    start: int
+    span: Span
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: Span) -> torch.Tensor:
@@ -67,9 +77,9 @@ class Attention(nn.Module):
         self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope(spec.sliding), self.head_dim), persistent=False)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, start: int,
-                span: Span, write: bool = True) -> torch.Tensor:
-        """x [B, L, H] at slots start..start+L, attending to slots span.lo..start+L.
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], parts: list[Part],
+                write: bool = True) -> torch.Tensor:
+        """x [B, L, H]; each part's rows take slots start..start+L of its cache and attend to slots span.lo.. of it.
 
         write=True puts the new keys in the cache first (encoder commit, or the decoder's scratch slots);
         write=False leaves the cache untouched and appends them (training, where the cache is in the graph).
@@ -81,11 +91,16 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, n, self.n_kv, self.head_dim) if self.v_proj is not None else k_raw
         k = apply_rope(self.k_norm(k_raw), cos, sin)
         v = self.v_norm(v)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
-        if write:
-            keys, values = cache.view(self.layer, span.lo, start, k, v)
-        else:
-            keys, values = cache.slice(self.layer, span.lo, start)
-            keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
-        out = attend(q.transpose(1, 2), keys, values, span)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        outs, row = [], 0
+        for cache, start, span in parts:
+            rows = slice(row, row + cache.batch_size)
+            row = rows.stop
+            if write:
+                keys, values = cache.view(self.layer, span.lo, start, k[rows], v[rows])
+            else:
+                keys, values = cache.slice(self.layer, span.lo, start)
+                keys, values = torch.cat([keys, k[rows]], dim=2), torch.cat([values, v[rows]], dim=2)
+            outs.append(attend(q[rows], keys, values, span))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))

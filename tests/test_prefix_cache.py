@@ -1,0 +1,101 @@
+"""Prefix caching: later turns and shared prefixes continue from a copy of an earlier request's cache; outputs
+are the ids the engine gives without it (bundled model, fixed seeds); hits, misses, eviction, sharing."""
+
+import pytest
+import torch
+
+import dgemma
+from dgemma.cache import KVCache, PrefixCache
+from dgemma.engine import Engine
+from dgemma.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return dgemma.load()
+
+
+def _engine(demo, budget=None):
+    prefix = None if budget is None else PrefixCache(budget)
+    return Engine(demo.module, demo.defaults.eos_token_ids or (), demo.pad_id, 4, prefix_cache=prefix)
+
+
+def _run(engine, prompts, seeds, n=40):
+    reqs = [engine.add_request(p, SamplingParams(max_new_tokens=n, seed=s, max_denoising_steps=8))
+            for p, s in zip(prompts, seeds)]
+    for _ in engine.stream():
+        pass
+    return reqs
+
+
+def _ids(demo, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, demo.module.cfg.text.vocab_size, (n,), generator=g).tolist()
+
+
+def test_multi_turn_reuses_prompt_and_answer_with_identical_outputs(demo):
+    """Three turns, each prompt the previous prompt + answer + a new message, the history crossing the sliding
+    window: with the cache each turn starts from the previous turn's prompt and answer, and every answer equals
+    the answer without it."""
+    cached, plain = _engine(demo, 64 << 20), _engine(demo)
+    history = _ids(demo, 150, 0)
+    for turn in range(3):
+        (a,), (b,) = _run(cached, [history], [turn]), _run(plain, [history], [turn])
+        assert a.output == b.output and a.output
+        if turn:
+            assert a.stats.cached_tokens == reused  # noqa: F821 (set on the previous turn)
+        reused = len(history) + len(a.output)
+        history = history + a.output + _ids(demo, 20, turn + 1)
+    p = cached.prefix_cache
+    assert p.hits == 2 and p.lookups == 3 and p.tokens_reused > len(history) // 2
+
+
+def test_requests_sharing_a_prefix_in_one_batch(demo):
+    """Concurrent requests with a shared system prompt each get a private copy of it and the answers they get
+    without the cache."""
+    system = _ids(demo, 100, 5)
+    prompts = [system + _ids(demo, 10, i) for i in range(3)]
+    cached, plain = _engine(demo, 64 << 20), _engine(demo)
+    _run(cached, [system], [0], n=1)  # leaves the system prompt behind
+    got = _run(cached, prompts, [1, 2, 3])
+    want = _run(plain, prompts, [1, 2, 3])
+    assert [r.output for r in got] == [r.output for r in want]
+    assert [r.stats.cached_tokens for r in got] == [len(system)] * 3
+
+
+@torch.no_grad()
+def test_hits_misses_partial_matches_and_eviction(demo):
+    m = demo.module
+    room = m.cfg.canvas_length
+
+    def cache_of(ids):
+        c = m.new_cache(1, 4)
+        m.prefill(torch.tensor([ids]), c)
+        return c
+
+    long = _ids(demo, 3 * m.cfg.text.sliding_window, 7)
+    one = cache_of(long).nbytes
+    p = PrefixCache(int(2.5 * one))
+    p.store(long, cache_of(long))
+    assert p.lookup(_ids(demo, 50, 8)) == (None, 0)  # miss
+    cache, n = p.lookup(long[:-room // 2] + [5, 6])  # within the ring's reach: usable, continued exactly
+    assert n == len(long) - room // 2
+    want = m.head(m.encode(torch.tensor([[5, 6]]), cache_of(long[:-room // 2])))
+    assert (m.head(m.encode(torch.tensor([[5, 6]]), cache)) - want).abs().max() <= 1e-4
+    assert p.lookup(long[:-room - 5] + [5]) == (None, 0)  # the rings no longer hold that far back
+    for seed in (9, 10):
+        other = _ids(demo, len(long), seed)
+        p.store(other, cache_of(other))
+    assert p.evictions == 1 and p.bytes <= p.budget and tuple(long) not in p.entries
+    assert (p.hits, p.lookups) == (1, 3)
+
+
+def test_a_longer_entry_replaces_the_prefixes_it_covers(demo):
+    m = demo.module
+    ids = _ids(demo, 60, 11)
+    p = PrefixCache(1 << 30)
+    for n in (40, 60):
+        c = m.new_cache(1, 4)
+        m.prefill(torch.tensor([ids[:n]]), c)
+        p.store(ids[:n], c)
+    assert list(p.entries) == [tuple(ids)] and isinstance(p.entries[tuple(ids)], KVCache)
