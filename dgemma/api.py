@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from dgemma.dtypes import native_bf16, parse_dtype
-from dgemma.engine import AutoregressiveEngine, Engine, OutputStream, ReferenceRunner, Request, StreamEvent
+from dgemma.engine import (AutoregressiveEngine, Engine, OutputStream, PrefixCache, ReferenceRunner, Request,
+                           StreamEvent)
 from dgemma.errors import DgemmaError
 from dgemma.jsonfile import read_json
 from dgemma.options import MODES, SAMPLINGS
@@ -141,9 +142,11 @@ class Model:
         """Yield drafts of the current canvas, committed text deltas, then a "done" event with the Result."""
         yield from (event for _, event in self._run([prompt], mode, sampling, options, drafts))
 
-    def runner(self, mode: str = "diffusion", sampling: str = "fast", max_batch: int = 16):
-        """The engine for a decoding mode: `Engine` (continuous batching), `ReferenceRunner` or
-        `AutoregressiveEngine`; all take `add_request` and yield the same events from `stream()`."""
+    def runner(self, mode: str = "diffusion", sampling: str = "fast", max_batch: int = 16,
+               prefix_cache: PrefixCache | None = None):
+        """The engine for a decoding mode: `Engine` (continuous batching, reusing `prefix_cache` if given),
+        `ReferenceRunner` or `AutoregressiveEngine`; all take `add_request` and yield the same events from
+        `stream()`."""
         eos = self.defaults.eos_token_ids or ()
         if mode not in MODES or sampling not in SAMPLINGS:
             bad, name, names = (("mode", mode, MODES) if mode not in MODES else ("sampling", sampling, SAMPLINGS))
@@ -152,7 +155,7 @@ class Model:
             return AutoregressiveEngine(self.module, eos)
         if sampling == "reference":
             return ReferenceRunner(self.module, eos, self.pad_id)
-        return Engine(self.module, eos, self.pad_id, max_batch)
+        return Engine(self.module, eos, self.pad_id, max_batch, prefix_cache)
 
     def _run(self, prompts: list[Prompt], mode: str, sampling: str, options: dict[str, Any],
              drafts: bool) -> Iterator[tuple[int, StreamEvent]]:

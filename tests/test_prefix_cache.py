@@ -38,13 +38,12 @@ def test_multi_turn_reuses_prompt_and_answer_with_identical_outputs(demo):
     window: with the cache each turn starts from the previous turn's prompt and answer, and every answer equals
     the answer without it."""
     cached, plain = _engine(demo, 64 << 20), _engine(demo)
-    history = _ids(demo, 150, 0)
+    history, reusable = _ids(demo, 150, 0), 0
     for turn in range(3):
         (a,), (b,) = _run(cached, [history], [turn]), _run(plain, [history], [turn])
         assert a.output == b.output and a.output
-        if turn:
-            assert a.stats.cached_tokens == reused  # noqa: F821 (set on the previous turn)
-        reused = len(history) + len(a.output)
+        assert a.stats.cached_tokens == reusable  # the previous turn's prompt and answer
+        reusable = len(history) + len(a.output)
         history = history + a.output + _ids(demo, 20, turn + 1)
     p = cached.prefix_cache
     assert p.hits == 2 and p.lookups == 3 and p.tokens_reused > len(history) // 2
@@ -99,3 +98,38 @@ def test_a_longer_entry_replaces_the_prefixes_it_covers(demo):
         m.prefill(torch.tensor([ids[:n]]), c)
         p.store(ids[:n], c)
     assert list(p.entries) == [tuple(ids)] and isinstance(p.entries[tuple(ids)], KVCache)
+
+
+@pytest.mark.slow
+def test_chat_through_the_server_reuses_earlier_turns(tmp_path_factory):
+    """A 5-turn chat through the server, with the prefix cache and without: the same answers, and /metrics shows
+    that most prompt tokens of turns 2-5 came from the cache."""
+    import httpx
+
+    from server_fixtures import served_checkpoint, start_server
+
+    checkpoint = served_checkpoint(tmp_path_factory)
+    answers, reused = {}, {}
+    for mb in (0, 16):
+        server = start_server(checkpoint, prefix_cache_mb=mb)
+        try:
+            messages, got, prompt_tokens = [{"role": "system", "content": "You answer briefly. " * 8}], [], 0
+            for turn in range(5):
+                messages.append({"role": "user", "content": f"Question number {turn}: what is the capital?"})
+                r = httpx.post(server.url + "/v1/chat/completions", timeout=120,
+                               json={"model": "tiny", "messages": messages, "max_tokens": 10, "seed": turn}).json()
+                text = r["choices"][0]["message"]["content"]
+                got.append(text)
+                messages.append({"role": "assistant", "content": text})
+                prompt_tokens += r["usage"]["prompt_tokens"] if turn else 0
+            metrics = httpx.get(server.url + "/metrics").text
+            answers[mb] = got
+            reused[mb] = (metrics, prompt_tokens)
+        finally:
+            server.stop()
+    assert answers[0] == answers[16]
+    assert "dgemma_prefix_cache_hits_total" not in reused[0][0]
+    metrics, later_prompts = reused[16]
+    values = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("dgemma_prefix_cache"))
+    assert float(values["dgemma_prefix_cache_hits_total"]) == 4
+    assert float(values["dgemma_prefix_cache_tokens_reused_total"]) >= later_prompts / 2

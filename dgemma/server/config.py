@@ -29,12 +29,13 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = ()  # empty: no CORS headers at all
     allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides the loopback names (loopback binds only)
     mode: str = "diffusion"  # or "autoregressive": the encoder as a next-token model
+    prefix_cache_mb: int = 1024  # earlier prompts' and answers' KV kept for reuse (diffusion mode); 0: none
 
     def __post_init__(self) -> None:
         for name in ("max_concurrency", "max_n", "max_stop", "max_stop_chars", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
-        for name in ("max_queue",):
+        for name in ("max_queue", "prefix_cache_mb"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
         for name in ("max_prompt_tokens", "max_tokens"):
