@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from dgemma.cache import KVCache
 from dgemma.dtypes import native_bf16, parse_dtype
 from dgemma.engine import (AutoregressiveEngine, Engine, OutputStream, PrefixCache, ReferenceRunner, Request,
                            StreamEvent)
@@ -119,9 +120,14 @@ class Model:
     def params(self, **options: Any) -> SamplingParams:
         return self.defaults.replace(**options)
 
+    def cache_bytes(self, tokens: int) -> int:
+        """KV-cache bytes a request with this many prompt + new tokens needs (one canvas more while denoising)."""
+        m = self.module
+        return KVCache.bytes_for(m.cfg.text, tokens + m.cfg.canvas_length, m.dtype, m.cfg.canvas_length)
+
     def check_request(self, ids: list[int], params: SamplingParams, limits: Limits = Limits()) -> None:
         """Everything about a request that needs the model: the one validation path (SamplingParams)."""
-        params.validate(self.module.cfg.text.vocab_size, self.max_context, len(ids), limits)
+        params.validate(self.module.cfg.text.vocab_size, self.max_context, len(ids), limits, self.cache_bytes)
         if params.stop and self.tokenizer is None:
             raise SamplingParamsError("stop strings need a tokenizer; this checkpoint has none", "stop")
 

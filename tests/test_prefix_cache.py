@@ -133,3 +133,34 @@ def test_chat_through_the_server_reuses_earlier_turns(tmp_path_factory):
     values = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("dgemma_prefix_cache"))
     assert float(values["dgemma_prefix_cache_hits_total"]) == 4
     assert float(values["dgemma_prefix_cache_tokens_reused_total"]) >= later_prompts / 2
+
+
+def test_requests_over_the_cache_budget_are_refused_before_any_work(demo, tmp_path_factory):
+    """`Limits.max_cache_bytes` (the server's --max-cache-mb) refuses, with one line naming max_new_tokens, a
+    request whose prompt + max_new_tokens needs more KV cache; the estimate is what such a cache holds."""
+    import httpx
+
+    from dgemma.sampling import Limits, SamplingParamsError
+    from server_fixtures import served_checkpoint, start_server
+
+    m = demo.module
+    ids = _ids(demo, 300, 1)
+    cache = m.new_cache(1, 4)
+    m.prefill(torch.tensor([ids]), cache)
+    own = cache.extract(0, 0, cache.length)
+    assert own.nbytes == KVCache.bytes_for(m.cfg.text, len(ids), m.dtype, m.cfg.canvas_length)
+    need = demo.cache_bytes(len(ids) + 64)
+    params = demo.params(max_new_tokens=64)
+    demo.check_request(ids, params, Limits(max_cache_bytes=need))
+    with pytest.raises(SamplingParamsError, match="needs .* MiB of KV cache; the limit is") as e:
+        demo.check_request(ids, params, Limits(max_cache_bytes=need - 1))
+    assert e.value.param == "max_new_tokens" and "\n" not in str(e.value)
+
+    server = start_server(served_checkpoint(tmp_path_factory), max_cache_mb=0.01)
+    try:
+        r = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": "Hello " * 40, "max_tokens": 200})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        assert "KV cache" in r.json()["error"]["message"] and server.service.worker.running == 0
+    finally:
+        server.stop()

@@ -32,6 +32,16 @@ class KVCache:
         self.padded_until = 0  # slots below may be padding; slots from here to length are valid
         self.held_from = 0  # rings hold slots held_from..length (older ones, or the decoder's scratch, overwrote)
 
+    @staticmethod
+    def bytes_for(cfg: TextConfig, tokens: int, dtype: torch.dtype, room: int | None) -> int:
+        """Bytes of keys and values one row of `tokens` slots holds, computed without building it."""
+        values = 0
+        for i in range(cfg.num_hidden_layers):
+            spec = cfg.layer(i)
+            slots = min(tokens, cfg.sliding_window - 1 + room) if spec.sliding and room is not None else tokens
+            values += 2 * slots * spec.num_kv_heads * spec.head_dim
+        return values * torch.empty(0, dtype=dtype).element_size()
+
     @property
     def batch_size(self) -> int:
         return self.valid.shape[0]

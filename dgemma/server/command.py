@@ -31,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=16, help="sequences decoded together (default 16)")
     p.add_argument("--max-queue", type=int, default=64, help="admitted sequences waiting for a batch row; "
                    "more are refused with 429 (default 64)")
+    p.add_argument("--max-cache-mb", type=float, help="largest KV cache one request may need (its prompt + "
+                   "max_tokens), MiB; larger requests are refused with 400 before any work (default: no cap)")
     p.add_argument("--prefix-cache-mb", type=int, default=1024, help="MiB of KV cache kept from earlier prompts "
                    "and answers, so a chat's next turn or a shared system prompt is not encoded again (least "
                    "recently used out first; outputs are unchanged; 0: off; default 1024)")
@@ -58,7 +60,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_tokens=args.max_tokens, max_n=args.max_n, max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
         max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
         cors_origins=tuple(args.cors_origin), allowed_hosts=tuple(args.allowed_host), mode=args.mode,
-        prefix_cache_mb=args.prefix_cache_mb)
+        max_cache_mb=args.max_cache_mb, prefix_cache_mb=args.prefix_cache_mb)
 
 
 def run(args: argparse.Namespace) -> int:

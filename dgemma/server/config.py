@@ -29,6 +29,7 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = ()  # empty: no CORS headers at all
     allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides the loopback names (loopback binds only)
     mode: str = "diffusion"  # or "autoregressive": the encoder as a next-token model
+    max_cache_mb: float | None = None  # KV cache one request may need (prompt + max_tokens); None: no cap
     prefix_cache_mb: int = 1024  # earlier prompts' and answers' KV kept for reuse (diffusion mode); 0: none
 
     def __post_init__(self) -> None:
@@ -43,6 +44,8 @@ class ServerConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_n > self.capacity:
             raise ConfigError(f"--max-n ({self.max_n}) exceeds --max-concurrency + --max-queue ({self.capacity})")
+        if self.max_cache_mb is not None and not self.max_cache_mb > 0:
+            raise ConfigError("--max-cache-mb must be > 0")
         if self.shutdown_timeout < 0:
             raise ConfigError("--shutdown-timeout must be >= 0")
         if any(not k for k in self.api_keys):
@@ -53,7 +56,8 @@ class ServerConfig:
     @property
     def limits(self) -> Limits:
         """The request caps, for the one request validator (SamplingParams.validate)."""
-        return Limits(self.max_prompt_tokens, self.max_tokens, self.max_stop, self.max_stop_chars)
+        cache = None if self.max_cache_mb is None else int(self.max_cache_mb * 2**20)
+        return Limits(self.max_prompt_tokens, self.max_tokens, self.max_stop, self.max_stop_chars, cache)
 
     @property
     def capacity(self) -> int:
