@@ -164,3 +164,26 @@ def test_requests_over_the_cache_budget_are_refused_before_any_work(demo, tmp_pa
         assert "KV cache" in r.json()["error"]["message"] and server.service.worker.running == 0
     finally:
         server.stop()
+
+
+def test_joins_and_leaves_leave_the_other_requests_caches_alone(demo):
+    """A request joining at a canvas boundary gets a cache of its own and one leaving takes only its own: the
+    running request keeps the very same cache object throughout, and its output equals its output alone."""
+    engine, alone = _engine(demo), _engine(demo)
+    params = SamplingParams(max_new_tokens=128, seed=1, max_denoising_steps=4)
+    a = engine.add_request(_ids(demo, 40, 1), params)
+    engine.step()
+    (cache_a,) = engine.batch.caches
+    b = engine.add_request(_ids(demo, 20, 2), SamplingParams(max_new_tokens=32, seed=2, max_denoising_steps=4))
+    while b not in engine.batch.rows:
+        engine.step()
+    assert engine.batch.caches[0] is cache_a and engine.batch.caches[1] is not cache_a
+    while b in engine.batch.rows:
+        engine.step()
+    assert b.finished and engine.batch.caches == [cache_a]
+    for _ in engine.stream():
+        pass
+    solo = alone.add_request(a.prompt, params)
+    for _ in alone.stream():
+        pass
+    assert a.output == solo.output and len(a.output) == 128
