@@ -24,6 +24,7 @@ from dgemma.weights import load_model, resolve_checkpoint
 DEMO_MODEL = Path(__file__).parent / "assets" / "demo"
 
 Prompt = str | list[int] | list[dict[str, Any]]
+CHAR_MARGIN = 2  # a token can cover more characters than its own text after normalisation (NFKC): stay safe
 
 
 @dataclass
@@ -87,9 +88,14 @@ class Model:
         self.max_context = text.max_position_embeddings
 
     # ---- inputs -----------------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
+    def encode_prompt(self, prompt: Prompt, max_tokens: int | None = None) -> list[int]:
+        """Text, chat messages or ids -> checked ids. With `max_tokens`, a prompt that cannot fit in that many
+        tokens (more characters than that many of the longest token hold, x CHAR_MARGIN) is refused before
+        any tokenizing or templating, so its cost is bounded by the limit, not by its length."""
         if isinstance(prompt, (str, list)) and not prompt:
             raise SamplingParamsError("empty prompt", "prompt")
+        if max_tokens is not None:
+            self._check_length(prompt, max_tokens)
         if isinstance(prompt, str):
             ids = self._require_tokenizer().encode(prompt)
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
@@ -99,6 +105,21 @@ class Model:
         else:
             raise SamplingParamsError("a prompt is text, a list of chat messages, or a list of token ids", "prompt")
         return self.check_ids(ids)
+
+    def prompt_limit(self, limits: Limits = Limits()) -> int:
+        """The most tokens a prompt may have: the context less one new token, and the deployment's cap."""
+        return min(self.max_context - 1, limits.max_prompt_tokens or self.max_context)
+
+    def _check_length(self, prompt: Prompt, max_tokens: int) -> None:
+        message = f"the prompt has {{}} {{}}; at most {max_tokens} tokens are allowed"
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            size, unit, cap = len(prompt), "tokens", max_tokens
+        else:
+            per_token = self.tokenizer.max_token_chars if self.tokenizer is not None else 1
+            size, unit, cap = _chars(prompt), "characters", max_tokens * per_token * CHAR_MARGIN
+            message += f", which no text over {cap} characters fits in"
+        if size > cap:
+            raise SamplingParamsError(message.format(size, unit), "prompt")
 
     def check_ids(self, ids: list[int]) -> list[int]:
         vocab = self.module.cfg.text.vocab_size
@@ -200,3 +221,14 @@ class Model:
             "sliding_window": t.sliding_window, "max_context": t.max_position_embeddings,
             "tokenizer": self.tokenizer is not None, "eos_token_ids": list(self.defaults.eos_token_ids or ()),
         }
+
+
+def _chars(value: Any) -> int:
+    """Characters in every string of a text or of nested chat messages (keys excluded)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_chars(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_chars(v) for v in value)
+    return 0

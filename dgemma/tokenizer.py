@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +35,18 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry in characters: a text of C characters has at least C / this many tokens."""
+        return max((len(t) for t in self.tok.get_vocab()), default=1)
+
     def token_id(self, text: str) -> int | None:
         return self.tok.token_to_id(text)
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works (encode does not), so a huge prompt tokenized in a
+        # worker thread does not stall the server's event loop
+        ids = self.tok.encode_batch([text], add_special_tokens=False)[0].ids
         bos = self.token_id(self.bos_token)
         if (self.add_bos if add_bos is None else add_bos) and bos is not None and ids[:1] != [bos]:
             ids = [bos, *ids]

@@ -179,7 +179,7 @@ def test_oversized_bodies_and_headers_are_refused(server):
             yield b"x" * 1024
 
     r = httpx.post(server.url + C, content=chunks(), headers=JSON)
-    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     r = httpx.get(server.url + "/health", headers={"x-big": "y" * (40 << 10)})
     assert r.status_code == 431 and r.json()["error"]["type"] == "invalid_request_error"
     assert httpx.get(server.url + "/health").status_code == 200  # and the server lives on
@@ -292,6 +292,8 @@ def test_cors_is_off_by_default_and_exact_when_configured(server, checkpoint):
         assert "access-control-allow-credentials" not in r.headers
         r = httpx.options(s.url + C, headers=preflight | {"origin": "http://other.example"})
         assert r.headers.get("access-control-allow-origin") != "http://other.example"
+        assert r.status_code == 400 and r.json()["error"]["code"] == "cors_refused"  # an OpenAI error object
+        assert "origin" in r.json()["error"]["message"]
         assert httpx.get(s.url + "/health", headers={"host": "myhost.internal"}).status_code == 200
     finally:
         s.stop()

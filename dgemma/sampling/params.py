@@ -96,6 +96,9 @@ class SamplingParams:
         _cap("stop", len(self.stop), limits.max_stop, "{} stop strings; at most {} are allowed")
         for s in self.stop:
             _cap("stop", len(s), limits.max_stop_chars, "a stop string has {} characters; at most {} are allowed")
+        if max_context is not None and prompt_len >= max_context:
+            _fail(f"the prompt has {prompt_len} tokens; the context ({max_context} tokens) leaves no room for "
+                  "new ones", "prompt")
         if max_context is not None and prompt_len + self.max_new_tokens > max_context:
             _fail(f"prompt ({prompt_len} tokens) + max_new_tokens ({self.max_new_tokens}) exceeds the context "
                   f"({max_context} tokens)", "max_new_tokens")

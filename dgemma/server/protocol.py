@@ -72,6 +72,9 @@ class OpenAIRequest(_Strict):
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="only 0 is supported")
     logit_bias: dict[str, float] | None = Field(None, description="only an empty map is supported")
     user: Text | None = None
+    dgemma_timeout: float | None = Field(None, gt=0, description=(
+        "dgemma extension: seconds from arrival after which the request is aborted (408, or an error chunk when "
+        "streaming) and its batch row freed; capped by the server's --request-timeout"))
     dgemma_drafts: bool = Field(False, description=(
         "dgemma extension (stream only): also send each denoising step's draft canvas per choice, as chunks "
         "with an empty delta and a `dgemma_draft` field that standard clients ignore"))

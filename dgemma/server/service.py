@@ -46,7 +46,8 @@ class Plan:
 
 @dataclass
 class Output:
-    """What a route turns into a chunk: "text" (a committed delta), "draft", "finish", or "error"."""
+    """What a route turns into a chunk: "start" (the choice entered the batch; no chunk), "text" (a committed
+    delta), "draft", "finish", or "error"."""
 
     kind: str
     index: int
@@ -68,6 +69,7 @@ class Service:
         self.state = "loading"  # loading -> ready -> draining; or failed
         self.failure: str | None = None
         self.in_use = 0  # admitted choices (running + queued)
+        self._tokenizing = asyncio.Semaphore(config.tokenizer_threads)
         use_prefix = config.prefix_cache_mb and config.mode == "diffusion"
         self.prefix_cache = PrefixCache(config.prefix_cache_mb << 20) if use_prefix else None
 
@@ -147,7 +149,7 @@ class Service:
         try:
             plans, prompt_tokens = await self._plan(body, prompts, param)
             return Generation(self, f"{id_prefix}-{uuid.uuid4().hex}", plans, prompt_tokens, body.dgemma_drafts,
-                              lease, t_arrival)
+                              lease, t_arrival, body.dgemma_timeout)
         except BaseException:
             lease.release()
             raise
@@ -166,9 +168,11 @@ class Service:
         plans, prompt_tokens = [], 0
         tokens_param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
         names = {"prompt": param, "max_new_tokens": tokens_param}
+        limit = self.model.prompt_limit(self.config.limits)
         for prompt in prompts:
             try:
-                ids = await asyncio.to_thread(self.model.encode_prompt, prompt)
+                async with self._tokenizing:  # a bounded number of worker threads; the loop never tokenizes
+                    ids = await asyncio.to_thread(self.model.encode_prompt, prompt, limit)
                 plans += [Plan(ids, p) for p in self._choice_params(body, ids)]
             except SamplingParamsError as e:  # max_new_tokens is named as the client named it
                 message = str(e).replace("max_new_tokens", tokens_param)
@@ -192,6 +196,10 @@ class Service:
         if base is None:
             return [first] * body.n
         return [first] + [first.replace(seed=(base + i) % (MAX_SEED + 1)) for i in range(1, body.n)]
+
+def _earliest(*timeouts: float | None) -> float | None:
+    return min((t for t in timeouts if t is not None), default=None)
+
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop or ())
@@ -227,7 +235,7 @@ class Generation:
     and gives back the admission lease (idempotent; routes call it when the response ends for any reason)."""
 
     def __init__(self, service: Service, id: str, plans: list[Plan], prompt_tokens: int, drafts: bool,
-                 lease: Lease, t_arrival: float):
+                 lease: Lease, t_arrival: float, timeout: float | None = None):
         self.service, self.id, self.lease = service, id, lease
         self.prompt_tokens = prompt_tokens
         self.created = int(time.time())
@@ -235,11 +243,14 @@ class Generation:
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         sink = Sink(asyncio.get_running_loop(), self.queue)
         self.choices: dict[str, _Choice] = {}
+        self.timeout = _earliest(timeout, service.config.request_timeout)
+        deadlines = [t_arrival + t if t is not None else None for t in (service.config.max_queue_seconds,
+                                                                           self.timeout)]
         jobs = []
         for i, plan in enumerate(plans):
             rid = f"{id}-{i}"
             self.choices[rid] = _Choice(i, rid, OutputStream(service.model.tokenizer, plan.params.stop))
-            jobs.append(Job(rid, plan.ids, plan.params, drafts, sink, self.t_arrival))
+            jobs.append(Job(rid, plan.ids, plan.params, drafts, sink, self.t_arrival, *deadlines))
         service.metrics.admitted(sum(len(p.ids) for p in plans))
         service.worker.submit(jobs)
 
@@ -258,6 +269,9 @@ class Generation:
             event = await self.queue.get()
             choice = self.choices.get(event.request_id)
             if choice is None or choice.finish_reason is not None:
+                continue
+            if event.kind == "start":
+                yield Output("start", choice.index)
                 continue
             for out in self._on_event(choice, event):
                 open_choices -= out.kind in ("finish", "error")
@@ -302,10 +316,18 @@ class Generation:
         self._record(c)
         if item.finish_reason in ("stop", "length"):
             return Output("finish", c.index, finish_reason=item.finish_reason)
-        error = (ApiError(503, "the server is shutting down; the request was aborted", code="shutting_down")
-                 if item.finish_reason == "abort" else ApiError(500, "the engine failed while generating",
-                                                                code="engine_error"))
-        return Output("error", c.index, error=error)
+        return Output("error", c.index, error=self._error(item.finish_reason, c.tokens))
+
+    def _error(self, reason: str, tokens: int) -> ApiError:
+        if reason == "abort":
+            return ApiError(503, "the server is shutting down; the request was aborted", code="shutting_down")
+        if reason == "queue_timeout":
+            return ApiError(503, f"the request waited {self.service.config.max_queue_seconds:g} s for a batch row "
+                            "(--max-queue-seconds); retry later", code="queue_timeout", headers={"Retry-After": "1"})
+        if reason == "deadline":
+            return ApiError(408, f"the request's deadline ({self.timeout:g} s) passed after {tokens} tokens; it was "
+                            "aborted", "dgemma_timeout", code="deadline_exceeded")
+        return ApiError(500, "the engine failed while generating", code="engine_error")
 
     def _record(self, c: _Choice) -> None:
         now = time.perf_counter()
