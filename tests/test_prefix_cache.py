@@ -135,6 +135,7 @@ def test_chat_through_the_server_reuses_earlier_turns(tmp_path_factory):
     assert float(values["dgemma_prefix_cache_tokens_reused_total"]) >= later_prompts / 2
 
 
+@pytest.mark.slow
 def test_requests_over_the_cache_budget_are_refused_before_any_work(demo, tmp_path_factory):
     """`Limits.max_cache_bytes` (the server's --max-cache-mb) refuses, with one line naming max_new_tokens, a
     request whose prompt + max_new_tokens needs more KV cache; the estimate is what such a cache holds."""
