@@ -11,8 +11,10 @@ from typing import Any
 
 import torch
 
+from dgemma.cache import KVCache
 from dgemma.dtypes import native_bf16, parse_dtype
-from dgemma.engine import AutoregressiveEngine, Engine, OutputStream, ReferenceRunner, Request, StreamEvent
+from dgemma.engine import (AutoregressiveEngine, Engine, OutputStream, PrefixCache, ReferenceRunner, Request,
+                           StreamEvent)
 from dgemma.errors import DgemmaError
 from dgemma.jsonfile import read_json
 from dgemma.options import MODES, SAMPLINGS
@@ -159,6 +161,11 @@ class Model:
             options["seeded"] = self._layout(options, **seeded)
         return self.defaults.replace(**options)
 
+    def cache_bytes(self, tokens: int) -> int:
+        """KV-cache bytes a request with this many prompt + new tokens needs (one canvas more while denoising)."""
+        m = self.module
+        return KVCache.bytes_for(m.cfg.text, tokens + m.cfg.canvas_length, m.dtype, m.cfg.canvas_length)
+
     def _layout(self, options: dict[str, Any], suffix: str | None = None, template: str | None = None,
                 edit: str | list[int] | None = None, renoise: float | list[tuple[int, int]] | None = None) -> Layout:
         given = [k for k, v in (("suffix", suffix), ("template", template), ("edit", edit)) if v is not None]
@@ -205,7 +212,7 @@ class Model:
             raise SamplingParamsError("logprobs need fast diffusion decoding", "logprobs")
         if seeded is not None and not params.eos_token_ids:
             raise SamplingParamsError("a suffix, template or edit needs an end-of-sequence token", seeded.param)
-        params.validate(self.module.cfg.text.vocab_size, self.max_context, len(ids), limits)
+        params.validate(self.module.cfg.text.vocab_size, self.max_context, len(ids), limits, self.cache_bytes)
         if params.stop and self.tokenizer is None:
             raise SamplingParamsError("stop strings need a tokenizer; this checkpoint has none", "stop")
         if params.grammar is not None:  # a matcher for this grammar: it must be able to match something
@@ -235,9 +242,11 @@ class Model:
         """Yield drafts of the current canvas, committed text deltas, then a "done" event with the Result."""
         yield from (event for _, event in self._run([prompt], mode, sampling, options, drafts))
 
-    def runner(self, mode: str = "diffusion", sampling: str = "fast", max_batch: int = 16):
-        """The engine for a decoding mode: `Engine` (continuous batching), `ReferenceRunner` or
-        `AutoregressiveEngine`; all take `add_request` and yield the same events from `stream()`."""
+    def runner(self, mode: str = "diffusion", sampling: str = "fast", max_batch: int = 16,
+               prefix_cache: PrefixCache | None = None):
+        """The engine for a decoding mode: `Engine` (continuous batching, reusing `prefix_cache` if given),
+        `ReferenceRunner` or `AutoregressiveEngine`; all take `add_request` and yield the same events from
+        `stream()`."""
         eos = self.defaults.eos_token_ids or ()
         if mode not in MODES or sampling not in SAMPLINGS:
             bad, name, names = (("mode", mode, MODES) if mode not in MODES else ("sampling", sampling, SAMPLINGS))
@@ -247,7 +256,7 @@ class Model:
         elif sampling == "reference":
             runner = ReferenceRunner(self.module, eos, self.pad_id)
         else:
-            runner = Engine(self.module, eos, self.pad_id, max_batch)
+            runner = Engine(self.module, eos, self.pad_id, max_batch, prefix_cache)
         if self.tokenizer is not None:
             runner.grammar_vocab = self.grammar_vocab
         return runner

@@ -83,17 +83,16 @@ def test_padded_batch_matches_rows_alone(model, sdpa_calls):
 
 
 @torch.no_grad()
-def test_padding_known_through_merge_and_window(model):
-    parts = [model.new_cache(1, 8), model.new_cache(1, 8)]
-    model.encode(torch.randint(0, 200, (1, 3)), parts[0])
-    model.encode(torch.randint(0, 200, (1, 5)), parts[1])
-    merged, pads = KVCache.merge(parts, 16)
-    assert pads == [2, 0] and merged.has_padding(0) and merged.has_padding(1) and not merged.has_padding(2)
-    same, _ = KVCache.merge([parts[1], parts[1]], 16)
-    assert not same.has_padding(0)
+def test_padding_known_through_extract_and_window(model):
+    cache = model.new_cache(2, 8)
+    valid = torch.tensor([[False, False, True, True, True], [True] * 5])
+    model.encode(torch.randint(0, 200, (2, 5)), cache, valid=valid)
+    assert cache.has_padding(4) and not cache.has_padding(5)
+    own = cache.extract(0, 2, cache.length)  # a row's own cache leaves its left padding behind
+    assert own.length == 3 and not own.has_padding(0) and bool(own.valid[:, :3].all())
     # padding that has slid out of every sliding window no longer needs a mask there
-    model.encode(torch.randint(0, 200, (2, 12)), merged)
-    assert merged.window_start(True, merged.length) >= 2 and not merged.has_padding(merged.window_start(True, 17))
+    model.encode(torch.randint(0, 200, (2, 12)), cache)
+    assert not cache.has_padding(cache.window_start(True, cache.length))
 
 
 @torch.no_grad()

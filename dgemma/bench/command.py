@@ -47,6 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run every configuration in this process (faster; peak memory is then shared)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration before it is killed")
+    p.add_argument("--scenario", choices=["throughput", "multi-turn"], default="throughput",
+                   help="throughput: the engines side by side (default); multi-turn: one chat of --turns turns with "
+                        "and without the prefix cache (time to first token, prompt tokens reused)")
+    p.add_argument("--turns", type=int, default=10, help="multi-turn: turns in the chat (default 10)")
+    p.add_argument("--turn-tokens", type=int, default=32, help="multi-turn: new tokens each later turn adds")
+    p.add_argument("--prefix-cache-mb", type=int, default=1024, help="multi-turn: prefix cache budget (MiB)")
     p.add_argument("--matmul-size", type=int, default=None,
                    help="largest square matmul for the peak (default 2048 on CPU, 8192 on GPU)")
 
@@ -58,6 +64,10 @@ def run(args: argparse.Namespace) -> int:
     from dgemma.weights.hf import read_config
 
     directory = _model_dir(args.model)
+    if args.scenario == "multi-turn":
+        from dgemma.bench import multiturn
+
+        return multiturn.run(args, directory)
     cfg = read_config(directory)
     jobs = plan(args, str(directory))
     if args.threads:

@@ -66,7 +66,7 @@ class AutoregressiveEngine(Runner):
         if req.grammar is not None:
             req.grammar.start_canvas(req.params.max_new_tokens + 1)  # one prefix for the whole output
         cache = self.model.new_cache(1, len(req.prompt) + req.params.max_new_tokens + 1)
-        return req, cache, self._encode(req.prompt, cache)
+        return req, cache, self.model.prefill(torch.tensor([req.prompt], device=self.model.device), cache)
 
     def _encode(self, ids: list[int], cache: KVCache) -> torch.Tensor:
         """Append ids to the cache; the last position's hidden state [1, H]."""

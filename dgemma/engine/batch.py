@@ -16,12 +16,13 @@ from dgemma.sampling import StableConfidentStopper, StepOutput, finalize_canvas,
 
 
 def prefill(model: DiffusionGemma, rows: list[Request], pad_id: int, room: int,
-            own_positions: bool) -> tuple[KVCache, Tensor]:
-    """One encoder pass over the rows' prompts, left-padded; returns the cache (with `room` free slots) and each
-    row's left pad [B]. With `own_positions` each row's positions start at 0 after its padding; otherwise the
-    batch shares positions, as transformers does."""
+            own_positions: bool) -> tuple[KVCache, list[int]]:
+    """The encoder over the rows' prompts, left-padded, in chunks (`DiffusionGemma.prefill`); returns the cache
+    (with `room` free slots) and each row's left pad. With `own_positions` each row's positions start at 0
+    after its padding; otherwise the batch shares positions, as transformers does."""
     device, n = model.device, max(len(r.prompt) for r in rows)
-    pads = torch.tensor([n - len(r.prompt) for r in rows], device=device)
+    host_pads = [n - len(r.prompt) for r in rows]
+    pads = torch.tensor(host_pads, device=device)
     ids = torch.tensor([[pad_id] * (n - len(r.prompt)) + r.prompt for r in rows], device=device)
     slots = torch.arange(n, device=device)[None]
     positions = (slots - pads[:, None]).clamp(min=0) if own_positions else None
@@ -29,8 +30,8 @@ def prefill(model: DiffusionGemma, rows: list[Request], pad_id: int, room: int,
     for r in rows:
         r.stats.t_start = time.perf_counter()
     padded = any(len(r.prompt) < n for r in rows)  # known on the host: no device read to find out
-    model.encode(ids, cache, valid=slots >= pads[:, None] if padded else None, positions=positions)
-    return cache, pads
+    model.prefill(ids, cache, valid=slots >= pads[:, None] if padded else None, positions=positions)
+    return cache, host_pads
 
 
 def _row_table(values: list[list[float]] | list[list[int]], device, dtype, fill) -> Tensor:

@@ -10,11 +10,12 @@ does not depend on the rest of the batch. transformers' draw-for-draw sampling i
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
-from dgemma.cache import KVCache
+from dgemma.cache import KVCache, PrefixCache
 from dgemma.engine.batch import Canvas, prefill
 from dgemma.engine.request import Event, Request
 from dgemma.engine.runner import Runner
@@ -29,9 +30,8 @@ from dgemma.sampling.fused import fast_step
 @dataclass
 class _Batch:
     rows: list[Request]
-    cache: KVCache
-    offsets: torch.Tensor  # [B] left padding per row; a row's position = slot - offset
-    pending: torch.Tensor | None = None  # [B, C] committed canvas not yet encoded into the cache
+    caches: list[KVCache]  # one per row: a request joins and leaves without touching the others' caches
+    pending: torch.Tensor | None = None  # [B, C] committed canvas not yet encoded into the caches
     canvas: Canvas | None = None
 
 
@@ -52,10 +52,12 @@ def prefill_groups(rows: list[Request], waste: float = 0.25) -> list[list[Reques
 class Engine(Runner):
     constrains = seeds = True
 
-    def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], pad_id: int = 0, max_batch: int = 16):
+    def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], pad_id: int = 0, max_batch: int = 16,
+                 prefix_cache: PrefixCache | None = None):
         super().__init__(model, eos_ids)
         self.pad_id = pad_id
         self.max_batch = max_batch
+        self.prefix_cache = prefix_cache
         self.canvas_length = model.cfg.canvas_length
         self.batch: _Batch | None = None
 
@@ -97,43 +99,61 @@ class Engine(Runner):
         """Encode the last canvas of the rows that go on."""
         if not self._keep_live_rows(b):
             return
-        self.model.encode(b.pending, b.cache, positions=self._positions(b))
+        self.model.encode(b.pending, b.caches)
         b.pending = None
 
     def _keep_live_rows(self, b: _Batch) -> bool:
-        """Drop finished rows from the batch (their cache rows too); False, and no batch, if none is left."""
+        """Drop finished rows from the batch (their caches go with them; no other row's is touched); False, and
+        no batch, if none is left."""
         keep = [i for i, r in enumerate(b.rows) if not r.finished]
+        if self.prefix_cache is not None:
+            self._remember([(r, c) for r, c in zip(b.rows, b.caches) if r.finish_reason in ("stop", "length")])
         if not keep:
             self.batch = None
             return False
         if len(keep) < len(b.rows):
-            index = torch.tensor(keep, device=b.offsets.device)
-            b.cache.select(keep)
-            b.rows = [b.rows[i] for i in keep]
-            b.offsets = b.offsets[index]
+            index = torch.tensor(keep, device=self.model.device)
+            b.rows, b.caches = [b.rows[i] for i in keep], [b.caches[i] for i in keep]
             b.pending = None if b.pending is None else b.pending[index]
             if b.canvas is not None:
                 b.canvas.select(index, keep)
         return True
 
     def _admit(self) -> None:
+        """Give each joining request its own cache: a copy of its longest cached prefix and the rest of its prompt
+        encoded after it, or a prefill of all of it (grouped by length)."""
         room = self.max_batch - (0 if self.batch is None else len(self.batch.rows))
         rows, self.waiting = self.waiting[:room], self.waiting[room:]
         if not rows:
             return
-        groups = prefill_groups(rows)
-        parts = [prefill(self.model, g, self.pad_id, 2 * self.canvas_length, own_positions=True) for g in groups]
-        old = [] if self.batch is None else [(self.batch.cache, self.batch.offsets)]
-        caches, offsets = zip(*(old + parts))
-        capacity = max(c.length for c in caches) + 2 * self.canvas_length
-        cache, pads = KVCache.merge(list(caches), capacity)
-        pad_rows = torch.tensor(pads, device=cache.valid.device)
-        old_rows = [] if self.batch is None else self.batch.rows
-        self.batch = _Batch(old_rows + [r for g in groups for r in g], cache, torch.cat(offsets) + pad_rows)
+        caches = {r.id: self._from_prefix(r) for r in rows} if self.prefix_cache is not None else {}
+        for group in prefill_groups([r for r in rows if caches.get(r.id) is None]):
+            cache, pads = prefill(self.model, group, self.pad_id, 2 * self.canvas_length, own_positions=True)
+            caches.update((r.id, cache.extract(i, pad, cache.length)) for i, (r, pad) in enumerate(zip(group, pads)))
+        if self.prefix_cache is not None:
+            for r in rows:
+                self.prefix_cache.store(r.prompt, caches[r.id])
+        if self.batch is None:
+            self.batch = _Batch([], [])
+        self.batch.rows += rows
+        self.batch.caches += [caches[r.id] for r in rows]
 
-    def _positions(self, b: _Batch) -> torch.Tensor:
-        start = b.cache.length
-        return torch.arange(start, start + self.canvas_length, device=b.offsets.device) - b.offsets[:, None]
+    def _from_prefix(self, r: Request) -> KVCache | None:
+        cache, n = self.prefix_cache.lookup(r.prompt)
+        if cache is not None:
+            r.stats.t_start, r.stats.cached_tokens = time.perf_counter(), n
+            if n < len(r.prompt):
+                self.model.prefill(torch.tensor([r.prompt[n:]], device=self.model.device), cache)
+        return cache
+
+    def _remember(self, finished: list[tuple[Request, KVCache]]) -> None:
+        """Keep finished requests' prompts and answers for later turns: the answer's last canvas (never encoded
+        while decoding) is encoded first, up to the answer's end."""
+        for r, cache in finished:
+            tokens = r.prompt + r.output
+            if len(tokens) > cache.length:
+                self.model.encode(torch.tensor([tokens[cache.length:]], device=self.model.device), cache)
+            self.prefix_cache.store(tokens, cache)
 
     # ---- one denoising step -----------------------------------------------------------------------------
     def _denoise_step(self, events: list[Event]) -> None:
@@ -141,7 +161,7 @@ class Engine(Runner):
         if any(r.finished for r in b.rows) and not self._keep_live_rows(b):
             return  # aborted rows leave mid-canvas, so they stop costing compute
         cv, model = b.canvas, self.model
-        hidden = model.denoise(cv.tokens, b.cache, cv.signal, self._positions(b))
+        hidden = model.denoise(cv.tokens, b.caches, cv.signal)
         inv_temp = 1.0 / cv.temperature()
         out, signal = fast_step(hidden, model.embed_tokens.weight, model.cfg.text.final_logit_softcapping,
                                 model.embed_scale, inv_temp, cv.entropy_bound,

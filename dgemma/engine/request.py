@@ -19,6 +19,7 @@ class Stats:
     steps_per_canvas: list[int] = field(default_factory=list)
     decoder_passes: int = 0
     eos_tokens: int = 0  # counted in tokens_per_forward, as transformers does
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of encoded
     t_arrival: float = field(default_factory=time.perf_counter)
     t_start: float | None = None
     t_first_commit: float | None = None
@@ -29,6 +30,7 @@ class Stats:
         return {
             "steps_per_canvas": self.steps_per_canvas,
             "decoder_passes": self.decoder_passes,
+            "cached_tokens": self.cached_tokens,
             "tokens_per_forward": (n_tokens + self.eos_tokens) / self.decoder_passes if self.decoder_passes else 0.0,
             "seconds": seconds,
             "queue_seconds": (self.t_start or self.t_arrival) - self.t_arrival,

@@ -7,15 +7,34 @@ over a canvas that attends to the cache and returns hidden states without commit
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
 from dgemma.cache import KVCache
 from dgemma.config import ModelConfig, TextConfig
-from dgemma.model.attention import Attention, Span
+from dgemma.model.attention import Attention, Part, Span
 from dgemma.model.layers import GatedMLP, RMSNorm, matmul, rope_cos_sin
 from dgemma.model.moe import Experts, Router
 from dgemma.quant import QuantizedWeight
+
+# Prompt tokens encoded per pass by `prefill`: bounds activation memory (MoE rows, attention masks) at any
+# prompt length while keeping each pass large enough to use the matmul units well.
+PREFILL_CHUNK = 512
+
+
+Caches = KVCache | list[KVCache]
+
+
+def _listed(cache: Caches) -> list[KVCache]:
+    return cache if isinstance(cache, list) else [cache]
+
+
+def _rows(caches: list[KVCache]) -> list[slice]:
+    """The batch rows each cache holds, in order."""
+    ends = itertools.accumulate(c.batch_size for c in caches)
+    return [slice(end - c.batch_size, end) for c, end in zip(caches, ends)]
 
 
 class Block(nn.Module):
@@ -36,9 +55,9 @@ class Block(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, start: int,
-                span: Span, encoder: bool, write: bool = True) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), rope, cache, start, span, write)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], parts: list[Part], encoder: bool,
+                write: bool = True) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), rope, parts, write)
         x = x + self.post_attention_layernorm(attn)
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
         flat = x.reshape(-1, x.shape[-1])
@@ -82,7 +101,8 @@ class DiffusionGemma(nn.Module):
         return self.embed_tokens.weight.device
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
-        return KVCache(self.cfg.text, batch, capacity, self.dtype, self.device)
+        """A cache for inference: sliding layers keep a ring of window - 1 + canvas slots."""
+        return KVCache(self.cfg.text, batch, capacity, self.dtype, self.device, room=self.cfg.canvas_length)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight
@@ -103,62 +123,95 @@ class DiffusionGemma(nn.Module):
         logits = (w.linear(hidden) if isinstance(w, QuantizedWeight) else matmul(hidden, w.T)).float()
         return torch.tanh(logits / cap) * cap
 
-    def encode(self, ids: torch.Tensor, cache: KVCache, valid: torch.Tensor | None = None,
+    def encode(self, ids: torch.Tensor, cache: Caches, valid: torch.Tensor | None = None,
                positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal pass over new tokens ids [B, L]; appends them to the cache; returns normed hidden [B, L, H]."""
-        n = ids.shape[1]
-        start = cache.reserve(n, valid)
-        spans = {s: self._encoder_span(cache, start, n, s) for s in (True, False)}
-        x = self._run(self.embed(ids), cache, start, n, positions, spans, encoder=True)
-        return self.norm(x)
+        """Causal pass over new tokens ids [B, L]; appends them to the cache; returns normed hidden [B, L, H].
 
-    def denoise(self, canvas: torch.Tensor, cache: KVCache, signal: torch.Tensor | None = None,
+        `cache` is one cache for the batch, or a list of caches each holding consecutive rows (one per request,
+        so that requests join and leave without copying each other's): each part's positions then default to
+        its own slots."""
+        return self.norm(self._encode(ids, cache, valid, positions))
+
+    def prefill(self, ids: torch.Tensor, cache: Caches, valid: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, chunk: int | None = PREFILL_CHUNK) -> torch.Tensor:
+        """`encode` in chunks of at most `chunk` tokens (None: one pass), so activation memory stays that of one
+        chunk whatever the prompt's length; returns the last position's normed hidden state [B, H]."""
+        n = ids.shape[1]
+        step = chunk or n
+        for i in range(0, n, step):
+            part = slice(i, i + step)
+            x = self._encode(ids[:, part], cache, None if valid is None else valid[:, part],
+                             None if positions is None else positions[:, part])
+        return self.norm(x[:, -1])
+
+    def _encode(self, ids, cache, valid, positions):
+        n, caches = ids.shape[1], _listed(cache)
+        starts = [c.reserve(n, None if valid is None else valid[rows]) for c, rows in zip(caches, _rows(caches))]
+        parts = {s: [Part(c, start, self._encoder_span(c, start, n, s)) for c, start in zip(caches, starts)]
+                 for s in (True, False)}
+        return self._run(self.embed(ids), parts, n, positions, encoder=True)
+
+    def denoise(self, canvas: torch.Tensor, cache: Caches, signal: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, context: torch.Tensor | None = None) -> torch.Tensor:
-        """Bidirectional pass over canvas [B, C] attending to the cache; returns normed hidden [B, C, H].
+        """Bidirectional pass over canvas [B, C] attending to the cache (or caches, as in `encode`); returns normed
+        hidden [B, C, H].
 
         `signal` is the self-conditioning soft embedding [B, C, H] (`soft_embed` of the previous logits), or None
-        for the zero signal of the first step. `context` [B] (training) limits row b to its first context[b]
-        cached tokens and leaves the cache untouched; `positions` then default to context[b] + arange(C).
+        for the zero signal of the first step. `context` [B] (training, one cache) limits row b to its first
+        context[b] cached tokens and leaves the cache untouched; `positions` then default to context[b] + arange(C).
         """
-        n = canvas.shape[1]
-        start = cache.length
+        n, caches = canvas.shape[1], _listed(cache)
         x = self.self_conditioning(self.embed(canvas), signal)
         if context is not None:
+            (c,) = caches
             if positions is None:
                 positions = context[:, None] + torch.arange(n, device=canvas.device)
-            spans = {s: Span(0, self._context_mask(cache, context, n, s)) for s in (True, False)}
-            return self.norm(self._run(x, cache, start, n, positions, spans, encoder=False, write=False))
-        cache.ensure(start + n)
-        spans = {s: self._decoder_span(cache, start, n, s) for s in (True, False)}
-        return self.norm(self._run(x, cache, start, n, positions, spans, encoder=False))
+            parts = {s: [Part(c, c.length, Span(0, self._context_mask(c, context, n, s)))] for s in (True, False)}
+            return self.norm(self._run(x, parts, n, positions, encoder=False, write=False))
+        for c in caches:
+            c.scratch(n)
+        parts = {s: [Part(c, c.length, self._decoder_span(c, c.length, n, s)) for c in caches] for s in (True, False)}
+        return self.norm(self._run(x, parts, n, positions, encoder=False))
 
-    def _run(self, x, cache, start, n, positions, spans, encoder, write=True):
+    def _run(self, x, parts, n, positions, encoder, write=True):
         if positions is None:
-            positions = torch.arange(start, start + n, device=x.device)[None].expand(x.shape[0], n)
+            positions = torch.cat([torch.arange(p.start, p.start + n, device=x.device).expand(p.cache.batch_size, n)
+                                   for p in parts[True]])
         ropes = {}
         for block in self.layers:
             attn = block.self_attn
             key = (attn.sliding, attn.head_dim)
             if key not in ropes:
                 ropes[key] = rope_cos_sin(attn.inv_freq, positions, x.dtype)
-            x = block(x, ropes[key], cache, start, spans[attn.sliding], encoder, write)
+            x = block(x, ropes[key], parts[attn.sliding], encoder, write)
         return x
 
     def _encoder_span(self, cache: KVCache, start: int, n: int, sliding: bool) -> Span:
-        """Causal attention over slots lo..start+n. No mask where nothing visible is padding and the sliding
-        window cuts no query's view short: one new token sees every slot; a first chunk is plain causal."""
+        """Causal attention over slots lo..start+n. No mask where the keys are exactly those slots, nothing
+        visible is padding and the sliding window cuts no query's view short: one new token sees every slot; a
+        first chunk is plain causal."""
         lo = cache.window_start(sliding, start)
+        first, slots = cache.layout(sliding, lo, start, n)
         window_cuts = sliding and start + n - self.cfg.text.sliding_window > lo
-        if not cache.has_padding(lo) and not window_cuts and (n == 1 or start == lo):
+        exact = first == lo and slots is None
+        if exact and not cache.has_padding(lo) and not window_cuts and (n == 1 or start == lo):
             return Span(lo, causal=n > 1)
-        q = torch.arange(start, start + n, device=cache.valid.device)[:, None]
-        kv = torch.arange(lo, start + n, device=cache.valid.device)[None, :]
-        allowed = kv <= q
+        device = cache.valid.device
+        kv = torch.arange(first, start + n, device=device) if slots is None else slots
+        q = torch.arange(start, start + n, device=device)[:, None]
+        mask = kv[None] <= q  # [n, keys]: the one mask-sized tensor unless something is padding
         if sliding:
-            allowed = allowed & (kv > q - self.cfg.text.sliding_window)
-        mask = allowed[None] & cache.valid[:, None, lo:start + n]
-        mask = mask | (kv == q)[None]  # padding queries attend to themselves: no empty softmax rows
+            mask &= kv[None] > q - self.cfg.text.sliding_window
+        if not cache.has_padding(first):
+            return Span(lo, mask[None, None])
+        mask = mask[None] & self._valid(cache, kv, slots, first, start + n)[:, None]
+        mask |= (kv[None] == q)[None]  # padding queries attend to themselves: no empty softmax rows
         return Span(lo, mask[:, None])
+
+    @staticmethod
+    def _valid(cache: KVCache, kv: torch.Tensor, slots: torch.Tensor | None, first: int, hi: int) -> torch.Tensor:
+        """[B, keys] whether each key's slot holds a real token."""
+        return cache.valid[:, first:hi] if slots is None else cache.valid[:, kv]
 
     def _context_mask(self, cache: KVCache, context: torch.Tensor, n: int, sliding: bool) -> torch.Tensor:
         slots = torch.arange(cache.length, device=context.device)[None]
@@ -171,8 +224,9 @@ class DiffusionGemma(nn.Module):
         """The canvas sees all of itself and the valid cached slots; the cache knows on the host whether any
         visible slot is padding, so the unpadded case needs no device read and no mask."""
         lo = cache.window_start(sliding, start)
-        if not cache.has_padding(lo):
+        first, slots = cache.layout(sliding, lo, start, n)
+        if first >= lo and not cache.has_padding(lo):
             return Span(lo)
-        past = cache.valid[:, lo:start]
-        mask = torch.cat([past, past.new_ones(past.shape[0], n)], dim=1)
+        kv = torch.arange(first, start + n, device=cache.valid.device) if slots is None else slots
+        mask = (kv >= lo)[None] & (self._valid(cache, kv, slots, first, start + n) | (kv >= start)[None])
         return Span(lo, mask[:, None, None, :])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ class Limits:
     max_new_tokens: int | None = None
     max_stop: int | None = None
     max_stop_chars: int | None = None
+    max_cache_bytes: int | None = None  # KV cache one request may need (prompt + max_new_tokens + a canvas)
 
 
 @dataclass(frozen=True)
@@ -107,9 +109,9 @@ class SamplingParams:
                 _fail("a grammar and a seeded canvas (suffix, template, edit) cannot be combined", self.seeded.param)
 
     def validate(self, vocab_size: int | None = None, max_context: int | None = None, prompt_len: int = 0,
-                 limits: Limits = Limits()) -> None:
+                 limits: Limits = Limits(), cache_bytes: Callable[[int], int] | None = None) -> None:
         """Checks that need the model or the deployment: eos ids inside the vocabulary, prompt + output inside
-        the context, and the deployment's caps."""
+        the context, and the deployment's caps (`cache_bytes`: the model's KV-cache bytes for a context)."""
         if self.seeded is not None:
             self.seeded.check(vocab_size)
         if vocab_size is not None and self.eos_token_ids and max(self.eos_token_ids) >= vocab_size:
@@ -125,6 +127,11 @@ class SamplingParams:
         if max_context is not None and prompt_len + self.max_new_tokens > max_context:
             _fail(f"prompt ({prompt_len} tokens) + max_new_tokens ({self.max_new_tokens}) exceeds the context "
                   f"({max_context} tokens)", "max_new_tokens")
+        if limits.max_cache_bytes is not None and cache_bytes is not None:
+            need = cache_bytes(prompt_len + self.max_new_tokens)
+            if need > limits.max_cache_bytes:
+                _fail(f"prompt ({prompt_len} tokens) + max_new_tokens ({self.max_new_tokens}) needs {need / 2**20:.1f} "
+                      f"MiB of KV cache; the limit is {limits.max_cache_bytes / 2**20:.1f} MiB", "max_new_tokens")
 
     def replace(self, **overrides: Any) -> SamplingParams:
         """A copy with `overrides` applied; None values mean "keep" (request fields left unset)."""

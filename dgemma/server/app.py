@@ -146,7 +146,17 @@ def _metrics_route(api: APIRouter, service: Service) -> None:
             "dgemma_admission_capacity": ("Sequences admitted at once (running + queued).", service.config.capacity),
             "dgemma_ready": ("1 when the model is loaded and requests are served.", service.unavailable() is None),
         }
-        return PlainTextResponse(service.metrics.render(gauges), media_type="text/plain; version=0.0.4")
+        counters = {}
+        if (prefix := service.prefix_cache) is not None:
+            gauges["dgemma_prefix_cache_bytes"] = ("KV-cache bytes the prefix cache holds.", prefix.bytes)
+            counters = {
+                "dgemma_prefix_cache_lookups_total": ("Prompts looked up in the prefix cache.", prefix.lookups),
+                "dgemma_prefix_cache_hits_total": ("Prompts that continued from a cached prefix.", prefix.hits),
+                "dgemma_prefix_cache_tokens_reused_total": ("Prompt tokens taken from the prefix cache instead of "
+                                                            "encoded.", prefix.tokens_reused),
+                "dgemma_prefix_cache_evictions_total": ("Entries evicted to stay within the budget.",
+                                                        prefix.evictions)}
+        return PlainTextResponse(service.metrics.render(gauges, counters), media_type="text/plain; version=0.0.4")
 
 
 async def _respond(gen: Generation, body: Any, request: Request, chat: bool) -> Response:

@@ -31,6 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=16, help="sequences decoded together (default 16)")
     p.add_argument("--max-queue", type=int, default=64, help="admitted sequences waiting for a batch row; "
                    "more are refused with 429 (default 64)")
+    p.add_argument("--max-cache-mb", type=float, help="largest KV cache one request may need (its prompt + "
+                   "max_tokens), MiB; larger requests are refused with 400 before any work (default: no cap)")
+    p.add_argument("--prefix-cache-mb", type=int, default=1024, help="MiB of KV cache kept from earlier prompts "
+                   "and answers, so a chat's next turn or a shared system prompt is not encoded again (least "
+                   "recently used out first; outputs are unchanged; 0: off; default 1024)")
     p.add_argument("--max-prompt-tokens", type=int, help="longest prompt in tokens (default: the context)")
     p.add_argument("--max-tokens", type=int, help="largest max_tokens a request may ask (default: the context)")
     p.add_argument("--max-n", type=int, default=8, help="choices per request, n x prompts (default 8)")
@@ -77,7 +82,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         cors_origins=tuple(args.cors_origin), allowed_hosts=tuple(args.allowed_host), mode=args.mode,
         tokenizer_threads=args.tokenizer_threads, max_queue_seconds=args.max_queue_seconds,
         request_timeout=args.request_timeout, header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-        keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections)
+        keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
+        max_cache_mb=args.max_cache_mb, prefix_cache_mb=args.prefix_cache_mb)
 
 
 def run(args: argparse.Namespace) -> int:

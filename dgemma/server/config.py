@@ -36,13 +36,15 @@ class ServerConfig:
     body_timeout: float = 30.0  # seconds to receive a request's whole body
     keep_alive_timeout: float = 5.0  # an idle keep-alive connection is closed after this long
     max_connections: int = 512  # open connections; more are answered 503 and closed
+    max_cache_mb: float | None = None  # KV cache one request may need (prompt + max_tokens); None: no cap
+    prefix_cache_mb: int = 1024  # earlier prompts' and answers' KV kept for reuse (diffusion mode); 0: none
 
     def __post_init__(self) -> None:
         for name in ("max_concurrency", "max_n", "max_stop", "max_stop_chars", "max_body_bytes", "tokenizer_threads",
                      "max_connections"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
-        for name in ("max_queue",):
+        for name in ("max_queue", "prefix_cache_mb"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
         for name in ("max_prompt_tokens", "max_tokens"):
@@ -50,6 +52,8 @@ class ServerConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_n > self.capacity:
             raise ConfigError(f"--max-n ({self.max_n}) exceeds --max-concurrency + --max-queue ({self.capacity})")
+        if self.max_cache_mb is not None and not self.max_cache_mb > 0:
+            raise ConfigError("--max-cache-mb must be > 0")
         if self.shutdown_timeout < 0:
             raise ConfigError("--shutdown-timeout must be >= 0")
         for name in ("max_queue_seconds", "request_timeout", "header_timeout", "body_timeout", "keep_alive_timeout"):
@@ -63,7 +67,8 @@ class ServerConfig:
     @property
     def limits(self) -> Limits:
         """The request caps, for the one request validator (SamplingParams.validate)."""
-        return Limits(self.max_prompt_tokens, self.max_tokens, self.max_stop, self.max_stop_chars)
+        cache = None if self.max_cache_mb is None else int(self.max_cache_mb * 2**20)
+        return Limits(self.max_prompt_tokens, self.max_tokens, self.max_stop, self.max_stop_chars, cache)
 
     @property
     def capacity(self) -> int:

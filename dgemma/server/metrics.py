@@ -104,10 +104,12 @@ class Metrics:
         with self._lock:
             self.rejected.inc(reason)
 
-    def render(self, gauges: dict[str, tuple[str, float]]) -> str:
+    def render(self, gauges: dict[str, tuple[str, float]], counters: dict[str, tuple[str, float]] | None = None) -> str:
+        """Prometheus text: the given gauges and counters (name: (help, value)), then the recorded metrics."""
         lines: list[str] = []
-        for name, (help, value) in gauges.items():
-            lines += [f"# HELP {name} {help}", f"# TYPE {name} gauge", f"{name} {float(value)!r}"]
+        for kind, values in (("gauge", gauges), ("counter", counters or {})):
+            for name, (help, value) in values.items():
+                lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name} {float(value)!r}"]
         with self._lock:
             for metric in (self.ttft, self.tpot, self.e2e, self.queue, self.steps, self.tpf, self.batch,
                            self.finished, self.rejected, self.prompt_tokens, self.generation_tokens):

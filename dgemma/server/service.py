@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dgemma.api import Model
-from dgemma.engine import Event, OutputStream, StreamEvent
+from dgemma.engine import Event, OutputStream, PrefixCache, StreamEvent
 from dgemma.errors import DgemmaError
 from dgemma.sampling import MAX_SEED, SamplingParams, SamplingParamsError
 from dgemma.server.config import ServerConfig
@@ -71,6 +71,8 @@ class Service:
         self.failure: str | None = None
         self.in_use = 0  # admitted choices (running + queued)
         self._tokenizing = asyncio.Semaphore(config.tokenizer_threads)
+        use_prefix = config.prefix_cache_mb and config.mode == "diffusion"
+        self.prefix_cache = PrefixCache(config.prefix_cache_mb << 20) if use_prefix else None
 
     # ---- life cycle -----------------------------------------------------------------------------------------
     def start_loading(self) -> None:
@@ -82,8 +84,8 @@ class Service:
             model = self._loader()
             if model.tokenizer is None:
                 raise DgemmaError(f"{model.directory}: the server needs a tokenizer (tokenizer.json)")
-            worker = Worker(lambda: model.runner(self.config.mode, "fast", self.config.max_concurrency),
-                            self.metrics)
+            worker = Worker(lambda: model.runner(self.config.mode, "fast", self.config.max_concurrency,
+                                                 self.prefix_cache), self.metrics)
             worker.start()
         except Exception as e:
             self.failure = str(e) if isinstance(e, DgemmaError) else f"{type(e).__name__}: {e}"
