@@ -15,6 +15,8 @@ from dgemma.engine import AutoregressiveEngine, Engine, OutputStream, ReferenceR
 from dgemma.errors import DgemmaError
 from dgemma.jsonfile import read_json
 from dgemma.options import MODES, SAMPLINGS
+from dgemma.quant import QuantizedWeight, parse_quantize
+from dgemma.quant import summary as quant_summary
 from dgemma.sampling import Limits, SamplingParams, SamplingParamsError
 from dgemma.tokenizer import Tokenizer
 from dgemma.weights import is_gguf, load_gguf_model, load_model, resolve_checkpoint
@@ -38,10 +40,14 @@ class Result:
 
 
 def load(path_or_repo: str | Path | None = None, dtype: str | torch.dtype = "auto",
-         device: str | torch.device = "cpu", compile: bool = False) -> Model:
+         device: str | torch.device = "cpu", compile: bool = False, quantize: str | None = None) -> Model:
     """Load a checkpoint directory, a cached Hugging Face repo id or a GGUF file of llama.cpp's diffusion-gemma
     architecture (default: the bundled demo model).
-    `compile`: run the denoising pass (the per-step body) through torch.compile; off, nothing changes."""
+    `compile`: run the denoising pass (the per-step body) through torch.compile; off, nothing changes.
+    `quantize`: "int8" | "int4" (see `dgemma.quant.spec` for group sizes and the embedding): weight-only
+    quantization while loading, tensor by tensor from the memory map. A GGUF file keeps its quantized tensors
+    compact without it (see `dgemma.weights.gguf_quant`); with it, they are re-quantized to that scheme."""
+    spec = parse_quantize(quantize)
     if path_or_repo is None:
         if not (DEMO_MODEL / "config.json").is_file():
             raise DgemmaError("the bundled demo model is missing from this install; pass --model PATH")
@@ -53,10 +59,13 @@ def load(path_or_repo: str | Path | None = None, dtype: str | torch.dtype = "aut
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as e:
         raise DgemmaError(f"device {device!s} is not available ({e})") from None
+    if spec is not None and device.type not in QUANT_DEVICES:
+        raise DgemmaError(f"quantize={spec.name} runs on {' or '.join(QUANT_DEVICES)}, not on device {device}")
     if gguf:
-        module, tokenizer, generation = load_gguf_model(directory, _resolve_dtype(dtype, directory, device), device)
+        module, tokenizer, generation = load_gguf_model(directory, _resolve_dtype(dtype, directory, device), device,
+                                                        spec)
     else:
-        module = load_model(directory, _resolve_dtype(dtype, directory, device), device)
+        module = load_model(directory, _resolve_dtype(dtype, directory, device), device, spec)
         tokenizer, generation = Tokenizer.maybe_load(directory), read_json(directory / "generation_config.json")
     if compile:
         # dynamic shapes: the cache view grows every canvas; a new batch size compiles once more
@@ -64,6 +73,7 @@ def load(path_or_repo: str | Path | None = None, dtype: str | torch.dtype = "aut
     return Model(module, tokenizer, directory, generation)
 
 
+QUANT_DEVICES = ("cpu", "cuda")  # where the decode ops (bit shifts on uint8, int8 casts) are known to run
 AUTO_FLOAT32_BYTES = 4 << 30  # "auto" upcasts bf16 checkpoints up to this size where bf16 is slow
 
 
@@ -195,7 +205,9 @@ class Model:
         return {
             "path": str(self.directory), "dtype": str(self.module.dtype).removeprefix("torch."),
             "device": str(self.module.device),
-            "parameters": sum(p.numel() for p in self.module.parameters()),
+            "parameters": sum(p.numel() for p in self.module.parameters()) + sum(
+                m.numel() for m in self.module.modules() if isinstance(m, QuantizedWeight)),
+            "quantization": quant_summary(self.module),
             "layers": t.num_hidden_layers, "hidden_size": t.hidden_size, "vocab_size": t.vocab_size,
             "experts": f"{t.top_k_experts} of {t.num_experts}", "canvas_length": cfg.canvas_length,
             "sliding_window": t.sliding_window, "max_context": t.max_position_embeddings,

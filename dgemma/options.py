@@ -1,5 +1,5 @@
-"""The options commands share, declared once: model loading (`--model`, `--dtype`, `--device`, `--compile`) and
-the decoding mode; and the names of the decoding modes and samplings (no torch import here: `--help` stays fast)."""
+"""The options commands share, declared once: model loading (`--model`, `--dtype`, `--device`, `--compile`,
+`--quantize`) and the decoding mode; and the names of the decoding modes and samplings (no torch import here: `--help` stays fast)."""
 
 from __future__ import annotations
 
@@ -19,13 +19,20 @@ def add_model_options(p: argparse.ArgumentParser, dtype_help: str | None = None)
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     p.add_argument("--compile", action="store_true", help="compile the denoising step's model pass with "
                    "torch.compile (minutes of start-up; fewer kernel launches on accelerators)")
+    add_quantize_option(p)
+
+
+def add_quantize_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantize", default=None, metavar="SCHEME",
+                   help="quantize weights while loading: int8 or int4 (group-wise symmetric, 32 columns per scale); "
+                   "int4:64 sets the group, int4+emb8 keeps the embedding / LM head in int8, +embfp in float")
 
 
 def load_model_from_args(args: argparse.Namespace):
     """`dgemma.load` with the shared options."""
     from dgemma.api import load
 
-    return load(args.model, dtype=args.dtype, device=args.device, compile=args.compile)
+    return load(args.model, dtype=args.dtype, device=args.device, compile=args.compile, quantize=args.quantize)
 
 
 def add_mode_option(p: argparse.ArgumentParser) -> None:

@@ -18,7 +18,9 @@ from gguf_writer import write_gguf
 import dgemma
 from dgemma.errors import CheckpointError
 from dgemma.weights import load_model
-from dgemma.weights.gguf import load_gguf
+from dgemma.quant import IntWeight, QuantizedWeight, quantize_tensor
+from dgemma.weights.gguf import GGUFFile, gguf_sources
+from dgemma.weights.gguf_load import load_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,18 +55,28 @@ def _reference_weights(path: Path) -> dict[str, np.ndarray]:
     return {t.name: dequantize(t.data, t.tensor_type) for t in GGUFReader(path).tensors}
 
 
-def _check_bitwise(model, path: Path) -> int:
-    """Every dgemma weight equals `gguf`'s dequantisation of its tensor; returns how many were compared."""
-    from dgemma.weights.gguf import GGUFFile, gguf_sources
+def _dense(model) -> dict[str, torch.Tensor]:
+    """Every weight as a float32 tensor: float parameters / buffers, and quantized weights dequantised."""
+    quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedWeight)}
+    out = {n: m.dequantize(slice(None), torch.float32) for n, m in quantized.items()}
+    for name, value in model.state_dict().items():
+        if not any(name.startswith(q + ".") for q in quantized):
+            out[name] = value.float()
+    return out
 
+
+def _check_bitwise(model, path: Path, skip: tuple[str, ...] = ()) -> int:
+    """Every dgemma weight equals `gguf`'s dequantisation of its tensor(s); returns how many were compared."""
     ref, names = _reference_weights(path), set(GGUFFile(path).tensors)
-    state = model.state_dict()
-    for param, value in state.items():
-        want = np.concatenate([ref[s] for s in gguf_sources(param, names)], axis=1) \
-            if param.endswith("gate_up_proj") and "blk.0.ffn_gate_up_exps.weight" not in names \
-            else ref[gguf_sources(param, names)[0]]
+    compared = 0
+    for param, value in _dense(model).items():
+        srcs = gguf_sources(param, names)
+        if any(s in skip for s in srcs):
+            continue
+        want = np.concatenate([ref[s] for s in srcs], axis=1) if len(srcs) > 1 else ref[srcs[0]]
         assert torch.equal(value, torch.from_numpy(np.array(want)).reshape(value.shape)), param
-    return len(state)
+        compared += 1
+    return compared
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16])
@@ -88,7 +100,10 @@ def test_q8_0_q4_0_weights_exact_logits_within_quantisation_error(checkpoint, tm
     relative weight noise moves its logits by ~1, a tenth of what unrelated weights do.)"""
     path = write_gguf(checkpoint, tmp_path / "m.gguf", qtype)
     model, _ = load_gguf(path)
-    _check_bitwise(model, path)
+    assert _check_bitwise(model, path) > 50
+    q = model.layers[0].experts.gate_up_proj
+    assert isinstance(q, IntWeight) and q.bits == {Q.Q8_0: 8, Q.Q4_0: 4}[qtype] and q.group_size == 32
+    assert isinstance(model.embed_tokens.weight, IntWeight)  # the tied embedding / head stays compact too
     want = _logits(load_model(checkpoint))
     error = (_logits(model) - want).abs().mean()
     def rounding(w, g):
@@ -113,20 +128,42 @@ def _perturbed(checkpoint, delta, seed):
     return model
 
 
-def test_k_quants_exact_and_split_experts(checkpoint, tmp_path):
-    """Q4_K / Q5_K / Q6_K tensors (the Q4_K_M mix) equal `gguf`'s dequantisation; experts stored as separate
-    gate and up stacks are joined; the model computes with exactly those weights."""
+def test_k_quants_requantised_from_the_exact_values(checkpoint, tmp_path):
+    """Q4_K / Q5_K / Q6_K tensors (the Q4_K_M mix): the reader's float values are `gguf`'s dequantisation bit for
+    bit, and the IntWeight each becomes (Q4_K int4, Q5_K / Q6_K int8, group 32) is exactly dgemma's quantisation
+    of those values; untouched Q8_0 tensors stay exact; the model computes with these weights."""
     kinds = {"blk.0.attn_q.weight": Q.Q4_K, "blk.0.attn_k.weight": Q.Q5_K, "blk.0.attn_v.weight": Q.Q6_K,
              "blk.1.ffn_gate.weight": Q.Q4_K, "blk.1.ffn_up.weight": Q.Q6_K, "blk.2.ffn_gate_up_exps.weight": Q.Q4_K,
              "token_embd.weight": Q.Q6_K, "self_cond_gate.weight": Q.Q5_K}
     path = write_gguf(checkpoint, tmp_path / "m.gguf", Q.Q8_0, types=kinds)
-    reader = GGUFReader(path)
-    assert {t.name: t.tensor_type for t in reader.tensors if t.name in kinds} == kinds
-    model, _ = load_gguf(path)
-    assert _check_bitwise(model, path) > 50
+    assert {t.name: t.tensor_type for t in GGUFReader(path).tensors if t.name in kinds} == kinds
+    model, f = load_gguf(path)
+    assert _check_bitwise(model, path, skip=tuple(kinds)) > 40
+    ref = _reference_weights(path)
+    quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedWeight)}
+    for name, kind in kinds.items():
+        assert torch.equal(f.read(name, torch.float32, torch.device("cpu")), torch.from_numpy(np.array(ref[name])))
+        param = next(p for p in quantized if gguf_sources(p, set(f.tensors)) == [name])
+        bits = 4 if kind == Q.Q4_K else 8
+        want = quantize_tensor(torch.from_numpy(np.array(ref[name])), bits, 32)
+        got = quantized[param]
+        assert got.bits == bits and torch.equal(got.qweight, want.qweight) and torch.equal(got.scales, want.scales)
     same = load_model(checkpoint)
-    same.load_state_dict(model.state_dict())
-    torch.testing.assert_close(_logits(model), _logits(same), rtol=1e-5, atol=1e-4)
+    same.load_state_dict(_dense(model))
+    torch.testing.assert_close(_logits(model), _logits(same), rtol=1e-4, atol=1e-3)
+
+
+def test_quantize_option_on_gguf(checkpoint, tmp_path):
+    """--quantize on a GGUF file: Q4_0 into int8 is exact, Q8_0 into int4 is re-quantised from the exact values."""
+    q4 = write_gguf(checkpoint, tmp_path / "q4.gguf", Q.Q4_0)
+    model = dgemma.load(q4, quantize="int8").module
+    assert model.layers[0].self_attn.q_proj.weight.bits == 8
+    assert _check_bitwise(model, q4) > 50
+    q8 = write_gguf(checkpoint, tmp_path / "q8.gguf", Q.Q8_0)
+    model = dgemma.load(q8, quantize="int4").module
+    w = model.layers[1].mlp.down_proj.weight
+    want = quantize_tensor(torch.from_numpy(np.array(_reference_weights(q8)["blk.1.ffn_down.weight"])), 4, 32)
+    assert w.bits == 4 and torch.equal(w.qweight, want.qweight)
 
 
 def test_split_expert_stacks(checkpoint, tmp_path):
@@ -135,6 +172,9 @@ def test_split_expert_stacks(checkpoint, tmp_path):
     _rewrite(path, split, _split_experts)
     model, _ = load_gguf(split)
     assert torch.equal(model.layers[1].experts.gate_up_proj, load_model(checkpoint).layers[1].experts.gate_up_proj)
+    q8 = _rewrite(write_gguf(checkpoint, tmp_path / "q8.gguf", Q.Q8_0), tmp_path / "q8split.gguf", _split_experts)
+    model, _ = load_gguf(q8)
+    assert isinstance(model.layers[1].experts.gate_up_proj, IntWeight) and _check_bitwise(model, q8) > 50
 
 
 def _split_experts(name, data, qtype):

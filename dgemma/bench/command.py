@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "as a user runs it (default); N = exactly N steps, fixed work")
     p.add_argument("--batch", default="1,4", help="dgemma batch sizes (concurrent prompts), comma-separated")
     p.add_argument("--dtype", default=",".join(NAMES), help=f"dgemma and autoregressive dtypes ({', '.join(NAMES)})")
+    p.add_argument("--quantize", default="none",
+                   help="dgemma weight quantization on load, comma-separated: none, int8, int4 (see dgemma generate "
+                        "--help), e.g. none,int8,int4 to compare them side by side")
     p.add_argument("--reference-dtype", default="float32", help="reference dtypes (its default is float32)")
     p.add_argument("--reference-batch", default="1", help="reference batch sizes")
     p.add_argument("--engines", default=",".join(ENGINES), help=f"subset of {','.join(ENGINES)}")
@@ -102,10 +105,12 @@ def plan(args: argparse.Namespace, model: str) -> list[Job]:
     common = dict(model=model, device=args.device, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
                   repeats=args.repeats, warmup=args.warmup, seed=args.seed, sampling=args.sampling,
                   ignore_eos=not args.respect_eos, threads=args.threads)
-    shapes = {"dgemma": [(d, b, n) for d in dtypes for b in batches for n in steps],
-              "autoregressive": [(d, 1, None) for d in dtypes],
-              "reference": [(d, b, n) for d in ref_dtypes for b in ref_batches for n in steps]}
-    return [Job(e, d, b, steps=n, **common) for e in ENGINES if e in engines for d, b, n in shapes[e]]
+    quants = [None if q == "none" else q for q in _csv(args.quantize)]
+    shapes = {"dgemma": [(d, b, n, q) for d in dtypes for q in quants for b in batches for n in steps],
+              "autoregressive": [(d, 1, None, None) for d in dtypes],
+              "reference": [(d, b, n, None) for d in ref_dtypes for b in ref_batches for n in steps]}
+    return [Job(e, d, b, steps=n, quantize=q, **common) for e in ENGINES if e in engines
+            for d, b, n, q in shapes[e]]
 
 
 def parse_steps(text: str) -> list[int | None]:
@@ -124,6 +129,11 @@ def _check(args: argparse.Namespace, engines: list[str], dtypes: list[str], batc
     for name in ("prompt_len", "max_new_tokens", "repeats", "rounds"):
         if getattr(args, name) < 1:
             raise DgemmaError(f"--{name.replace('_', '-')} must be at least 1")
+    from dgemma.quant.spec import parse_quantize
+
+    for q in _csv(args.quantize):
+        if q != "none":
+            parse_quantize(q)
     if min(batches, default=1) < 1:
         raise DgemmaError("batch sizes must be at least 1")
 

@@ -26,10 +26,12 @@ class Job:
     sampling: str
     ignore_eos: bool
     threads: int | None = None
+    quantize: str | None = None  # dgemma: weight-only quantization on load (int8, int4, ...)
 
     @property
     def label(self) -> str:
-        return f"{self.engine} {self.dtype} batch {self.batch}"
+        q = f"+{self.quantize}" if self.quantize else ""
+        return f"{self.engine} {self.dtype}{q} batch {self.batch}"
 
     @property
     def diffusion(self) -> bool:

@@ -36,6 +36,10 @@ def compute_ratios(runs: list[dict]) -> dict[str, float]:
     out = {}
     for a in (r for r in ok if r["engine"] == "dgemma"):
         tag, dtype = "" if a["steps"] is None else f"fixed_{a['steps']}_steps_", a["dtype"]
+        if a.get("quantize"):  # quantized over the same run unquantized
+            if (base := _find(ok, "dgemma", dtype, a["steps"], a["batch"])) is not None:
+                out[f"{tag}batch{a['batch']}_dgemma_{dtype}_{a['quantize']}_vs_{dtype}"] = _speedup(a, base)
+            continue
         if a["batch"] > 1:
             if (one := _find(ok, "dgemma", dtype, a["steps"])) is not None:
                 out[f"{tag}batch{a['batch']}_vs_batch1_dgemma_{dtype}"] = _speedup(a, one)
@@ -47,9 +51,11 @@ def compute_ratios(runs: list[dict]) -> dict[str, float]:
     return out
 
 
-def _find(runs: list[dict], engine: str, dtype: str, steps: int | None) -> dict | None:
-    key = (engine, dtype, 1, steps)
-    return next((r for r in runs if (r["engine"], r["dtype"], r["batch"], r["steps"]) == key), None)
+def _find(runs: list[dict], engine: str, dtype: str, steps: int | None, batch: int = 1) -> dict | None:
+    """The unquantized run of this engine, dtype, batch and steps."""
+    key = (engine, dtype, batch, steps, None)
+    return next((r for r in runs if (r["engine"], r["dtype"], r["batch"], r["steps"], r.get("quantize")) == key),
+                None)
 
 
 def _speedup(a: dict, b: dict) -> float:
@@ -87,10 +93,11 @@ def _preamble(report: dict[str, Any]) -> list[str]:
 
 def _row(r: dict[str, Any]) -> tuple[str, ...]:
     steps = _steps_label(r)
+    dtype = r["dtype"] + (f"+{r['quantize']}" if r.get("quantize") else "")
     if r.get("error"):
-        return (r["engine"], r["dtype"], str(r["batch"]), steps, "error", *["-"] * 8)
+        return (r["engine"], dtype, str(r["batch"]), steps, "error", *["-"] * 8)
     spc = [n for row in r["steps_per_canvas"] for n in row]
-    return (r["engine"], r["dtype"], str(r["batch"]), steps, f"{r['tokens_per_second']:.2f}",
+    return (r["engine"], dtype, str(r["batch"]), steps, f"{r['tokens_per_second']:.2f}",
             _num(r["seconds_per_step"]), (f"{statistics.mean(spc):.1f}" if spc else "-"),
             _num(r["tokens_per_forward"], 2), _num(r["ttft_seconds"], 2),
             _mb(r.get("device_peak_bytes", r["peak_rss_bytes"])), _mb(r["weights_bytes"]),

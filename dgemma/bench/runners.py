@@ -157,7 +157,7 @@ def checkpoint_params(job: Job):
 def _dgemma_runner(job: Job):
     import dgemma
 
-    model = dgemma.load(job.model, dtype=job.dtype, device=job.device)
+    model = dgemma.load(job.model, dtype=job.dtype, device=job.device, quantize=job.quantize)
     prompts = _prompts_for(job, model.module.cfg)
     options = job.overrides() | job.decoding()
     warm = {"max_denoising_steps": 1} if job.diffusion else {"max_new_tokens": min(job.max_new_tokens, 4)}

@@ -15,6 +15,7 @@ from dgemma.config import ModelConfig, TextConfig
 from dgemma.model.attention import Attention, Span
 from dgemma.model.layers import GatedMLP, RMSNorm, matmul, rope_cos_sin
 from dgemma.model.moe import Experts, Router
+from dgemma.quant import QuantizedWeight
 
 
 class Block(nn.Module):
@@ -85,18 +86,21 @@ class DiffusionGemma(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight
-        return self.embed_tokens(ids) * torch.tensor(self.embed_scale, dtype=w.dtype, device=w.device)
+        rows = w.embedding(ids) if isinstance(w, QuantizedWeight) else self.embed_tokens(ids)
+        return rows * torch.tensor(self.embed_scale, dtype=w.dtype, device=w.device)
 
     def soft_embed(self, logits: torch.Tensor) -> torch.Tensor:
         """softmax(logits) @ E * sqrt(H): the self-conditioning signal."""
         w = self.embed_tokens.weight
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(w.dtype)
-        return matmul(probs, w) * torch.tensor(self.embed_scale, dtype=w.dtype, device=w.device)
+        soft = w.linear_t(probs) if isinstance(w, QuantizedWeight) else matmul(probs, w)
+        return soft * torch.tensor(self.embed_scale, dtype=w.dtype, device=w.device)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head with the final softcap, float32 logits."""
         cap = self.cfg.text.final_logit_softcapping
-        logits = matmul(hidden, self.embed_tokens.weight.T).float()
+        w = self.embed_tokens.weight
+        logits = (w.linear(hidden) if isinstance(w, QuantizedWeight) else matmul(hidden, w.T)).float()
         return torch.tanh(logits / cap) * cap
 
     def encode(self, ids: torch.Tensor, cache: KVCache, valid: torch.Tensor | None = None,

@@ -8,6 +8,7 @@ from torch import nn
 
 from dgemma.config import RopeConfig
 from dgemma.dtypes import native_bf16
+from dgemma.quant import QuantizedWeight
 
 
 def gemm_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -27,7 +28,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
+    """nn.Linear whose weight may be a `QuantizedWeight` (assigned over the parameter by the loader)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, QuantizedWeight):
+            return self.weight.linear(x)
         dtype = gemm_dtype(self.weight)
         if dtype != self.weight.dtype:
             return F.linear(x.to(dtype), self.weight.to(dtype)).to(x.dtype)

@@ -14,6 +14,7 @@ from torch import nn
 
 from dgemma.config import TextConfig
 from dgemma.model.layers import Linear, RMSNorm, gelu_tanh, gemm_dtype
+from dgemma.quant import QuantizedWeight, compute_dtype
 
 class Router(nn.Module):
     def __init__(self, cfg: TextConfig):
@@ -79,13 +80,37 @@ def _converted(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def expert_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """x [R, K] sorted by expert (expert e owns rows ends[e-1]..ends[e]) times w[e].T, w [E, N, K] -> [R, N].
 
-    The one place that touches stacked expert weights (a quantized weight type replaces this). bf16 weights on a
-    CPU without native bf16 run a float32 GEMM on a converted copy (exact inputs, float32 accumulation).
+    The one place that touches stacked expert weights. bf16 weights on a CPU without native bf16 run a float32 GEMM
+    on a converted copy (exact inputs, float32 accumulation); quantized stacks are decoded a few experts at a time.
     """
+    if isinstance(w, QuantizedWeight):
+        return _quantized_matmul(x, w, ends)
     dtype = gemm_dtype(w)
     if dtype != w.dtype:
         w = _converted(w, dtype)
     return _grouped(x.to(dtype), w, ends).to(x.dtype)
+
+
+def _quantized_matmul(x: torch.Tensor, w: QuantizedWeight, ends: torch.Tensor) -> torch.Tensor:
+    """Decode the stack into the workspace and run the grouped GEMM: whole when it fits one chunk (no host read,
+    the accelerator case), else expert chunks over the rows they own, skipping experts without rows (a host read
+    of the offsets: free on a CPU, and it keeps autoregressive decoding from decoding all E experts per token)."""
+    dtype = compute_dtype(x.dtype, x.device)
+    fresh = torch.is_grad_enabled() and x.requires_grad
+    xc, e = x.to(dtype), w.shape[0]
+    if w.chunk_rows() >= e:
+        return _grouped(xc, w.dequantize(slice(None), dtype, fresh), ends).to(x.dtype)
+    bounds = [0, *ends.tolist()]
+    used = [i for i in range(e) if bounds[i + 1] > bounds[i]]
+    out = xc.new_empty(x.shape[0], w.shape[1])
+    step = w.chunk_rows()
+    for c in range(0, len(used), step):
+        ids = used[c:c + step]
+        lo, hi = bounds[ids[0]], bounds[ids[-1] + 1]
+        offs = torch.tensor([bounds[i + 1] - lo for i in ids], device=x.device)
+        sel = torch.tensor(ids, device=x.device)
+        out[lo:hi] = _grouped(xc[lo:hi], w.dequantize(sel, dtype, fresh), offs)
+    return out.to(x.dtype)
 
 
 class Experts(nn.Module):

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from dgemma.model.layers import gemm_dtype
+from dgemma.quant import QuantizedWeight
 from dgemma.sampling.samplers import StepOutput, entropy_bound_accept, random_tokens, renoise
 
 LOG2E = 1.0 / math.log(2.0)
@@ -125,7 +126,7 @@ class _Running:
             self.sample[rows] = _inverse_cdf(p[rows], u_pick[rows], chunk_mass[rows]) + lo
 
 
-def vocab_step(hidden: Tensor, embedding: Tensor, softcap: float, embed_scale: float, inv_temp: Tensor,
+def vocab_step(hidden: Tensor, embedding: Tensor | QuantizedWeight, softcap: float, embed_scale: float, inv_temp: Tensor,
                uniforms: Tensor, want_signal: bool = True, sync_free: bool | None = None,
                chunk: int | None = None) -> VocabStep:
     """hidden [N, H] (final-normed), embedding [V, H], inv_temp [N], uniforms [N, num_uniforms(V, chunk)] in
@@ -143,7 +144,7 @@ def vocab_step(hidden: Tensor, embedding: Tensor, softcap: float, embed_scale: f
     scale = (2 * softcap * LOG2E * inv_temp)[:, None]
     shift = (softcap * LOG2E * inv_temp)[:, None]
     for k, lo in enumerate(range(0, v, chunk)):
-        block = embedding[lo:lo + chunk].to(mm_dtype)
+        block = _rows(embedding, lo, chunk, mm_dtype)
         s = buf.squashed(x, block)
         top = run.update_argmax(s, lo)
         new_peak = torch.maximum(run.peak, (top[:, None] * scale - shift).squeeze(1))
@@ -156,6 +157,13 @@ def vocab_step(hidden: Tensor, embedding: Tensor, softcap: float, embed_scale: f
     entropy = (torch.log2(run.mass) - run.moment / run.mass) / LOG2E
     signal = (run.soft / run.mass[:, None] * embed_scale).to(embedding.dtype) if want_signal else None
     return VocabStep(run.argmax, run.sample, entropy, signal)
+
+
+def _rows(embedding: Tensor | QuantizedWeight, lo: int, chunk: int, dtype: torch.dtype) -> Tensor:
+    """Embedding rows lo..lo+chunk in the GEMM dtype (a quantized embedding decodes them into its workspace)."""
+    if isinstance(embedding, QuantizedWeight):
+        return embedding.dequantize(slice(lo, lo + chunk), dtype, fresh=False)
+    return embedding[lo:lo + chunk].to(dtype)
 
 
 def _inverse_cdf(p: Tensor, u: Tensor, total: Tensor) -> Tensor:

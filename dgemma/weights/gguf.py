@@ -5,7 +5,8 @@ llama.cpp's names (`blk.N.attn_q.weight`, ...), the encoder's layer scalars as `
 the self-conditioning MLP as `self_cond_*`, the router's per-expert scale as `blk.N.ffn_down_exps.scale`, the
 proportional RoPE of full layers as a `rope_freqs` tensor (1 for rotated pairs, 1e30 for the rest), and the keys
 `diffusion.canvas_length` and `diffusion.eb_*` (the entropy-bound sampler's defaults). Files are read with the `gguf`
-package, the format's own library; the tokenizer they carry is rebuilt in `gguf_vocab.py`.
+package, the format's own library; the tokenizer they carry is rebuilt in `gguf_vocab.py`, the model built in
+`gguf_load.py`.
 """
 
 from __future__ import annotations
@@ -19,9 +20,6 @@ import torch
 
 from dgemma.config import FULL, SLIDING, ModelConfig, RopeConfig, TextConfig
 from dgemma.errors import CheckpointError, ConfigError
-from dgemma.model import DiffusionGemma
-from dgemma.tokenizer import Tokenizer
-from dgemma.weights.gguf_vocab import gguf_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -227,50 +225,3 @@ class GGUFFile:
                 raise CheckpointError(f"{self.path.name}: tensor {name} has type {self.type_name(name)}; dgemma reads "
                                       f"{', '.join(SUPPORTED)}")
         return sources
-
-
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
-              device: str | torch.device = "cpu") -> tuple[DiffusionGemma, GGUFFile]:
-    """The model of a GGUF file, each tensor dequantised to `dtype` as it is read (float fallback)."""
-    from dgemma.weights.hf import _init_derived, _target_names
-
-    f = GGUFFile(path)
-    device = torch.device(device)
-    cfg = f.config()
-    with torch.device("meta"):
-        model = DiffusionGemma(cfg)
-    targets = _target_names(model)
-    for param, srcs in f.check_tensors(list(targets)).items():
-        shape = targets[param][0]
-        got = _stacked_shape(f, srcs)
-        if got != tuple(shape):
-            raise CheckpointError(f"{f.path.name}: tensor {srcs[0]} has shape {list(got)}, expected {list(shape)} "
-                                  f"(dgemma's {param})")
-        value = torch.cat([f.read(s, dtype, device) for s in srcs], dim=1) if len(srcs) > 1 else \
-            f.read(srcs[0], dtype, device)
-        _install(model, param, value)
-    _init_derived(model, device)
-    return model.eval(), f
-
-
-def load_gguf_model(path: str | Path, dtype: torch.dtype, device: str | torch.device
-                    ) -> tuple[DiffusionGemma, Tokenizer | None, dict[str, Any]]:
-    """What `dgemma.load` needs from a GGUF file: the model, its tokenizer, its sampler defaults."""
-    model, f = load_gguf(path, dtype, device)
-    return model, gguf_tokenizer(f), f.generation_config()
-
-
-def _stacked_shape(f: GGUFFile, srcs: list[str]) -> tuple[int, ...]:
-    shapes = [f.shape(s) for s in srcs]
-    if len(shapes) == 1:
-        return shapes[0]
-    return (shapes[0][0], sum(s[1] for s in shapes), *shapes[0][2:])
-
-
-def _install(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
-    owner, _, leaf = name.rpartition(".")
-    module = model.get_submodule(owner) if owner else model
-    if leaf in module._parameters:
-        module._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
-    else:
-        module._buffers[leaf] = value

@@ -20,6 +20,8 @@ from dgemma.config import ModelConfig
 from dgemma.errors import CheckpointError, ConfigError
 from dgemma.jsonfile import read_json
 from dgemma.model import DiffusionGemma
+from dgemma.quant import QuantSpec
+from dgemma.weights.quantize import bits_for, install, quantize_view
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +103,9 @@ def _is_persistent(model: torch.nn.Module, name: str) -> bool:
 
 
 def load_model(path_or_repo: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> DiffusionGemma:
-    """Build the model on the meta device and materialise each tensor once, in `dtype`, from mmapped files."""
+               device: str | torch.device = "cpu", quantize: QuantSpec | None = None) -> DiffusionGemma:
+    """Build the model on the meta device and materialise each tensor once, in `dtype`, from mmapped files;
+    with `quantize`, the weights it covers are quantized a chunk at a time straight from the memory map."""
     directory = resolve_checkpoint(path_or_repo)
     device = torch.device(device)
     cfg = read_config(directory)
@@ -117,6 +120,10 @@ def load_model(path_or_repo: str | Path, dtype: torch.dtype = torch.float32,
         if ckpt_name not in files:
             continue  # a missing encoder layer_scalar; filled below
         f = handles.setdefault(files[ckpt_name], _open(files[ckpt_name]))
+        if (bits := bits_for(quantize, param)) is not None:
+            _check_shape(param, f.get_slice(ckpt_name).get_shape(), targets[param][0])
+            install(model, param, quantize_view(f.get_slice(ckpt_name), ckpt_name, bits, quantize, dtype, device))
+            continue
         _assign(model, param, _read(f, ckpt_name, files[ckpt_name], dtype, device), targets[param][0], dtype,
                 device)
     for ckpt_name, param in by_ckpt.items():
@@ -163,11 +170,14 @@ def _read(f, name: str, path: Path, dtype: torch.dtype, device) -> torch.Tensor:
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 
 
+def _check_shape(name: str, got, shape: torch.Size) -> None:
+    if tuple(got) != tuple(shape):
+        raise CheckpointError(f"tensor {checkpoint_name(name)} has shape {list(got)}, expected {list(shape)}")
+
+
 def _assign(model: torch.nn.Module, name: str, tensor: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
             device) -> None:
-    if tensor.shape != shape:
-        raise CheckpointError(f"tensor {checkpoint_name(name)} has shape {list(tensor.shape)}, "
-                              f"expected {list(shape)}")
+    _check_shape(name, tensor.shape, shape)
     owner, _, leaf = name.rpartition(".")
     module = model.get_submodule(owner)
     value = tensor.to(device=device, dtype=dtype)

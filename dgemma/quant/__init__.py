@@ -1,0 +1,20 @@
+"""Quantized weights and their matmuls (weight-only: activations stay float).
+
+API (what other packages use):
+- `QuantizedWeight` (quant/base.py): an nn.Module standing in for a float weight of logical `shape` [N, K] or
+  [E, N, K] (stacked experts); `dtype` (the float compute dtype), `device`, `format`, `group_size`, `nbytes`;
+  `linear(x)` = x @ W.T, `linear_t(x)` = x @ W, `embedding(ids)`, `dequantize(sel, dtype, fresh)` (float rows of
+  dim 0: the expert GEMMs in model/moe.py decode a few experts at a time through it).
+  A new format subclasses it and implements `_decode(sel, out)` and `group_size`.
+- `IntWeight` (quant/intq.py): int8 / int4 symmetric group-wise (`qweight`, `scales`; layout in that module),
+  built by `int_weight(rows, shape, bits, group_size, dtype, device)` from a row reader (memory-mapped
+  checkpoints quantize a chunk at a time) or `quantize_tensor(w, bits, group_size)`.
+- `QuantSpec` / `parse_quantize` (quant/spec.py): the `--quantize` vocabulary.
+"""
+
+from dgemma.quant.base import QuantizedWeight, compute_dtype, summary
+from dgemma.quant.intq import DEFAULT_GROUP, IntWeight, int_weight, pack_int4, quantize_tensor, unpack_int4
+from dgemma.quant.spec import SCHEMES, QuantSpec, parse_quantize
+
+__all__ = ["DEFAULT_GROUP", "IntWeight", "QuantSpec", "QuantizedWeight", "SCHEMES", "compute_dtype", "int_weight",
+           "pack_int4", "parse_quantize", "quantize_tensor", "summary", "unpack_int4"]

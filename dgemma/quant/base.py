@@ -1,0 +1,147 @@
+"""The quantized-weight contract and the matmuls every format shares: chunked dequantisation into a reused workspace.
+
+A `QuantizedWeight` is an `nn.Module` standing where a float weight would be (`Linear.weight`, `Experts.gate_up_proj`,
+`embed_tokens.weight`). It has the float weight's logical `shape` ([N, K], or [E, N, K] for stacked experts), a
+`dtype` (the float dtype the model computes in) and a `device`; its packed codes and scales are buffers. A format
+only says how to decode rows: `_decode(sel, out)` writes the float rows `sel` (a slice or index tensor over dim 0)
+into `out`. Everything else is here:
+
+- `linear(x)` = x @ W.T and `linear_t(x)` = x @ W for 2D weights (the LM head and the self-conditioning soft
+  embedding), decoding at most `chunk_elements()` weight elements at a time into a per-thread workspace: the full
+  float weight never exists, and the workspace stays in cache-sized pieces on the CPU;
+- `embedding(ids)` decodes only the looked-up rows;
+- `dequantize(sel, dtype)` gives float rows for the grouped expert GEMMs (`model/moe.py`).
+
+The GEMM itself is torch's float GEMM in `x`'s compute dtype: on this class of CPU (AVX2, no VNNI / AMX) torch's
+weight-only int kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, `_int_mm`) measured 2-25x slower
+than dequantise + sgemm at canvas sizes (docs/performance.md). A device with faster fused kernels plugs in by
+overriding `linear` in the format's class (CUDA tensor-core FP8 / NVFP4 GEMMs would go there).
+Under autograd (QLoRA) a decoded chunk is a fresh tensor, since backward keeps it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+from torch import nn
+
+from dgemma.dtypes import native_bf16
+
+CPU_CHUNK_ELEMENTS = 1 << 18  # 1 MB of float32: decode + GEMM stay in L2 / L3
+DEVICE_CHUNK_ELEMENTS = 1 << 26
+
+_local = threading.local()
+
+
+def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """float32 for bf16 on a device without native bf16 GEMMs (as `model.layers.gemm_dtype`), else `dtype`."""
+    if dtype == torch.bfloat16 and not native_bf16(device.type):
+        return torch.float32
+    return dtype
+
+
+def workspace(numel: int, dtype: torch.dtype, device: torch.device, fresh: bool) -> torch.Tensor:
+    """A flat float buffer reused across calls on this thread (allocating per call costs page faults)."""
+    if fresh:
+        return torch.empty(numel, dtype=dtype, device=device)
+    ws = getattr(_local, "buffers", {})
+    _local.buffers = ws
+    key = (dtype, device)
+    buf = ws.get(key)
+    if buf is None or buf.numel() < numel:
+        with torch.inference_mode(False):  # a normal tensor: usable in and outside inference mode
+            buf = ws[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+class QuantizedWeight(nn.Module):
+    """A frozen weight of logical `shape` stored compactly; see the module docstring for the contract."""
+
+    format = "?"
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
+        super().__init__()
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+
+    # ---- what a format implements --------------------------------------------------------------------------------
+    def _decode(self, sel: slice | torch.Tensor, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    @property
+    def group_size(self) -> int:
+        raise NotImplementedError
+
+    # ---- shared ---------------------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return next(self.buffers()).device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def extra_repr(self) -> str:
+        return f"{self.format}, shape={list(self.shape)}, group_size={self.group_size}, dtype={self.dtype}"
+
+    def dequantize(self, sel: slice | torch.Tensor = slice(None), dtype: torch.dtype | None = None,
+                   fresh: bool = True) -> torch.Tensor:
+        """Float rows `sel` of dim 0 in `dtype` (default: self.dtype); `fresh=False` decodes into the workspace."""
+        n = len(range(*sel.indices(self.shape[0]))) if isinstance(sel, slice) else sel.numel()
+        shape = (n, *self.shape[1:])
+        out = workspace(math.prod(shape), dtype or self.dtype, self.device, fresh).view(shape)
+        self._decode(sel, out)
+        return out
+
+    def chunk_rows(self) -> int:
+        """Rows of dim 0 decoded at a time (at least one)."""
+        per_row = math.prod(self.shape[1:])
+        budget = CPU_CHUNK_ELEMENTS if self.device.type == "cpu" else DEVICE_CHUNK_ELEMENTS
+        return max(1, budget // per_row)
+
+    def _chunks(self, x: torch.Tensor):
+        """(lo, hi, float rows lo:hi in x's compute dtype); fresh memory when autograd will keep them."""
+        dtype = compute_dtype(x.dtype, x.device)
+        fresh = torch.is_grad_enabled() and x.requires_grad
+        step = self.chunk_rows()
+        for lo in range(0, self.shape[0], step):
+            hi = min(lo + step, self.shape[0])
+            yield lo, hi, self.dequantize(slice(lo, hi), dtype, fresh)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] @ W.T -> [..., N] (2D weights)."""
+        flat = x.reshape(-1, x.shape[-1]).to(compute_dtype(x.dtype, x.device))
+        parts = [flat @ w.T for _, _, w in self._chunks(x)]
+        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return y.to(x.dtype).view(*x.shape[:-1], self.shape[0])
+
+    def linear_t(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., N] @ W -> [..., K] (2D weights): the soft embedding through the tied embedding."""
+        flat = x.reshape(-1, x.shape[-1]).to(compute_dtype(x.dtype, x.device))
+        y = None
+        for lo, hi, w in self._chunks(x):
+            part = flat[:, lo:hi] @ w
+            y = part if y is None else y + part
+        return y.to(x.dtype).view(*x.shape[:-1], self.shape[1])
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (any shape) in self.dtype, decoding only those rows."""
+        flat = ids.reshape(-1)
+        return self.dequantize(flat).view(*ids.shape, self.shape[-1])
+
+
+def summary(model: nn.Module) -> str | None:
+    """'int4 g32: 38 tensors, int8 g32: 1 tensor' for a model's quantized weights, None when there are none."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, QuantizedWeight):
+            key = f"{m.format} g{m.group_size}"
+            counts[key] = counts.get(key, 0) + 1
+    if not counts:
+        return None
+    return ", ".join(f"{k}: {n} tensor{'s' * (n > 1)}" for k, n in sorted(counts.items()))

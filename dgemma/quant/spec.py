@@ -1,0 +1,44 @@
+"""What `--quantize` asks for: a scheme name parsed once into a `QuantSpec` (no torch import: --help stays fast).
+
+Grammar: `int8` | `int4`, optionally `:GROUP` (columns per scale, default 32), optionally `+emb8` (the tied
+embedding / LM head in int8 instead of the body's scheme) or `+embfp` (kept in the model's float dtype).
+Examples: `int4`, `int4:64`, `int4+emb8`, `int8:128+embfp`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from dgemma.errors import ConfigError
+
+SCHEMES = ("int8", "int4")
+_GRAMMAR = re.compile(r"int(8|4)(?::(\d+))?(?:\+emb(8|4|fp))?")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    bits: int  # 8 or 4: every projection, dense MLP, expert stack and self-conditioning matrix
+    group_size: int = 32
+    embedding_bits: int | None = None  # 8, 4, or None: keep the embedding in float
+
+    @property
+    def name(self) -> str:
+        emb = "" if self.embedding_bits == self.bits else f"+emb{self.embedding_bits or 'fp'}"
+        group = "" if self.group_size == 32 else f":{self.group_size}"
+        return f"int{self.bits}{group}{emb}"
+
+
+def parse_quantize(text: str | QuantSpec | None) -> QuantSpec | None:
+    """'int4', 'int8:128+emb8', ... -> QuantSpec; None -> None; anything else is a one-line ConfigError."""
+    if text is None or isinstance(text, QuantSpec):
+        return text
+    m = _GRAMMAR.fullmatch(str(text).strip().lower())
+    group = int(m.group(2)) if m and m.group(2) else 32
+    if not m or group < 2 or group % 2:
+        raise ConfigError(f"quantize={text!r}: expected int8 or int4, optionally :GROUP (an even number of "
+                          "columns per scale) and +emb8 / +emb4 / +embfp")
+    bits = int(m.group(1))
+    emb = m.group(3)
+    embedding = bits if emb is None else (None if emb == "fp" else int(emb))
+    return QuantSpec(bits, group, embedding)
