@@ -6,7 +6,7 @@ the self-conditioning MLP as `self_cond_*`, the router's per-expert scale as `bl
 proportional RoPE of full layers as a `rope_freqs` tensor (1 for rotated pairs, 1e30 for the rest), and the keys
 `diffusion.canvas_length` and `diffusion.eb_*` (the entropy-bound sampler's defaults). Files are read with the `gguf`
 package, the format's own library; the tokenizer they carry is rebuilt in `gguf_vocab.py`, the model built in
-`gguf_load.py`.
+`gguf_load.py`; the header is parsed in `gguf_header.py` (fast on a 262,144-token vocabulary).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 
 from dgemma.config import FULL, SLIDING, ModelConfig, RopeConfig, TextConfig
 from dgemma.errors import CheckpointError, ConfigError
+from dgemma.weights.gguf_header import Header
 
 log = logging.getLogger(__name__)
 
@@ -90,39 +91,30 @@ class GGUFFile:
     """An opened (memory-mapped) GGUF file of the diffusion-gemma architecture."""
 
     def __init__(self, path: str | Path):
-        from gguf import GGUFReader
-
         self.path = Path(path).expanduser()
-        try:
-            self.reader = GGUFReader(self.path, "r")
-        except (OSError, ValueError, KeyError, IndexError) as e:
-            raise CheckpointError(f"{self.path.name}: corrupt or unreadable GGUF file ({e})") from None
+        header = Header(self.path)
+        self.fields, self.tensors = header.fields, header.tensors
         arch = self.value("general.architecture", None)
         if arch != ARCH:
             raise CheckpointError(f"{self.path.name}: GGUF architecture {arch!r} is not {ARCH!r} "
                                   "(dgemma reads DiffusionGemma GGUF files)")
-        self.tensors = {t.name: t for t in self.reader.tensors}
 
     def value(self, key: str, default: Any = _REQUIRED) -> Any:
-        field = self.reader.fields.get(key)
-        if field is None:
+        if key not in self.fields:
             if default is _REQUIRED:
                 raise CheckpointError(f"{self.path.name}: missing GGUF key {key}")
             return default
-        value = field.contents()
-        if isinstance(value, float):  # stored as float32: 0.4 reads back as 0.4000000059604645
-            value = float(str(np.float32(value)))
-        return value
+        return self.fields[key]
 
     def arch(self, key: str, default: Any = _REQUIRED) -> Any:
         return self.value(f"{ARCH}.{key}", default)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """numpy / torch order (GGUF lists dimensions innermost first)."""
-        return tuple(int(d) for d in reversed(self.tensors[name].shape))
+        return self.tensors[name].shape
 
     def type_name(self, name: str) -> str:
-        return self.tensors[name].tensor_type.name
+        return self.tensors[name].type_name
 
     # ---- configuration ----------------------------------------------------------------------------------------
     def config(self) -> ModelConfig:
@@ -196,15 +188,17 @@ class GGUFFile:
         a few MB at a time: no float copy of the whole tensor exists besides the result."""
         from gguf import dequantize
 
+        from gguf import GGMLQuantizationType
+
         t = self.tensors[name]
         shape = self.shape(name)
-        data = np.asarray(t.data)[rows]
+        data = t.data[rows]
         lead = data.shape[:len(shape) - 1] if len(shape) > 1 else ()
         out = torch.empty(*lead, shape[-1], dtype=dtype, device=device)
         flat_in, flat_out = data.reshape(-1, data.shape[-1]), out.view(-1, shape[-1])
         step = max(1, (8 << 20) // max(1, flat_in.shape[1]))
         for lo in range(0, flat_in.shape[0], step):
-            block = dequantize(flat_in[lo:lo + step], t.tensor_type)
+            block = dequantize(flat_in[lo:lo + step], GGMLQuantizationType(t.type_id))
             flat_out[lo:lo + step] = torch.from_numpy(np.require(block, requirements="CW")).to(device=device, dtype=dtype)
         return out
 

@@ -101,7 +101,7 @@ def _exact(f: GGUFFile, name: str, bits: int) -> tuple[torch.Tensor, torch.Tenso
     """(codes, float16 scales) in IntWeight's layout of a Q8_0 / Q4_0 tensor: the file's bytes rearranged."""
     shape = f.shape(name)
     k = shape[-1]
-    blocks = np.asarray(f.tensors[name].data).reshape(*shape[:-1], k // 32, -1)
+    blocks = f.tensors[name].data.reshape(*shape[:-1], k // 32, -1)
     scales = torch.from_numpy(np.array(blocks[..., :2])).view(torch.float16).reshape(*shape[:-1], k // 32)
     payload = torch.from_numpy(np.array(blocks[..., 2:]))
     if f.type_name(name) == "Q8_0":
