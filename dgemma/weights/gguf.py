@@ -92,8 +92,8 @@ class GGUFFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path).expanduser()
-        header = Header(self.path)
-        self.fields, self.tensors = header.fields, header.tensors
+        self.header = Header(self.path)
+        self.fields, self.tensors = self.header.fields, self.header.tensors
         arch = self.value("general.architecture", None)
         if arch != ARCH:
             raise CheckpointError(f"{self.path.name}: GGUF architecture {arch!r} is not {ARCH!r} "

@@ -29,6 +29,7 @@ class TensorInfo:
     shape: tuple[int, ...]  # numpy / torch order (GGUF lists dimensions innermost first)
     type_id: int
     data: np.ndarray  # raw bytes, uint8 [*shape[:-1], bytes per row]
+    offset: int = 0  # in the file
 
     @property
     def type_name(self) -> str:
@@ -90,7 +91,16 @@ class Header:
         if at + count > len(self.buf):
             raise CheckpointError(f"{self.path.name}: tensor {name} runs past the end of the file (truncated?)")
         data = np.frombuffer(self.buf, np.uint8, count, at).reshape(*shape[:-1], row)
-        return TensorInfo(name, shape, type_id, data)
+        return TensorInfo(name, shape, type_id, data, at)
+
+    def release(self, name: str) -> None:
+        """Drop a tensor's pages from this process's resident memory once it has been copied (they stay in the
+        page cache): without it a load peaks at the mapped file plus the model."""
+        t = self.tensors[name]
+        page = mmap.PAGESIZE
+        lo, hi = -(-t.offset // page) * page, (t.offset + t.data.nbytes) // page * page
+        if hi > lo and hasattr(self.buf, "madvise"):
+            self.buf.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def _take(self, fmt: str) -> tuple:
         out = struct.unpack_from(fmt, self.buf, self.pos)

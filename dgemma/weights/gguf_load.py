@@ -54,6 +54,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
     for param, srcs in sources.items():
         bits = target_bits(f, param, srcs, quantize)
         value = gguf_weight(f, param, srcs, tuple(targets[param][0]), bits, group, dtype, device)
+        for s in srcs:
+            f.header.release(s)
         if isinstance(value, IntWeight):
             install(model, param, value)
         else:
