@@ -241,6 +241,7 @@ def test_config_sampler_defaults_and_tokenizer(checkpoint, tmp_path):
     ("arch", "GGUF architecture 'llama' is not 'diffusion-gemma'"),
     ("missing", "missing tensor blk.1.ffn_up.weight"),
     ("key", "missing GGUF key diffusion.canvas_length"),
+    ("truncated", "runs past the end of the file (truncated?)"),
 ])
 def test_bad_files_one_line(checkpoint, tmp_path, case, message):
     path = write_gguf(checkpoint, tmp_path / "m.gguf", Q.F32, types={"blk.0.attn_q.weight": Q.Q4_1}
@@ -251,6 +252,8 @@ def test_bad_files_one_line(checkpoint, tmp_path, case, message):
         path = _rewrite(path, tmp_path / "bad.gguf", lambda n, d, q: [] if n == "blk.1.ffn_up.weight" else [(n, d, q)])
     elif case == "key":
         path = _rewrite(path, tmp_path / "bad.gguf", drop_key="diffusion.canvas_length")
+    elif case == "truncated":
+        path.write_bytes(path.read_bytes()[:-1000])
     with pytest.raises(CheckpointError) as info:
         load_gguf(path)
     assert message in str(info.value) and "\n" not in str(info.value)
