@@ -7,9 +7,9 @@ Rows: llama.cpp on each file (skipped, with a note, without --llama-bin); dgemma
 checkpoint (--checkpoint; optional); dgemma on each file, in the form dgemma keeps it (Q8_0 / Q4_0 as int8 / int4
 exactly; k-quants as dgemma's loader maps them). Both get the same chat prompt (the file's template), the same
 threads, one canvas and a fixed number of steps (confidence thresholds 1e-30 / 0: no early stop). Seconds per
-step = wall time of the turn / steps, prompt prefill included, which is how llama.cpp reports its "time per step";
-dgemma's is the median of --repeats timed turns after a one-step warm-up (llama.cpp's binary has no warm-up; its
-whole run is repeated --repeats times). Last stdout line: JSON.
+step are steady-state: llama.cpp's from the timestamps of its per-step progress lines (first to last), dgemma's
+from a turn of N steps minus a turn of one step, over N - 1 (median of --repeats after a warm-up); prompt
+prefill and the first step are left out of both. Last stdout line: JSON.
 """
 
 from __future__ import annotations
@@ -26,24 +26,29 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 PROMPT = "Write a short story about a robot who learns to paint."
-_STEP = re.compile(r"time per step: ([\d.]+)ms \((\d+) steps")
+_STEP = re.compile(r"(\d+)\.(\d+)\.(\d+)\.(\d+) I \s*diffusion step: (\d+)/(\d+)")
 
 
 def llama_cpp_step(binary: Path, gguf: Path, threads: int, steps: int, canvas: int) -> dict:
-    """One llama-diffusion-cli turn: its own "time per step" line, in seconds."""
+    """Seconds per step of one llama-diffusion-cli turn: from the timestamps of its per-step progress lines (its
+    own end-of-turn "time per step" line is lost: the binary exits before its asynchronous log is flushed)."""
     cmd = [str(binary), "-m", str(gguf), "-p", PROMPT, "-t", str(threads), "-tb", str(threads), "-n", str(canvas),
            "--diffusion-eb-max-steps", str(steps), "--diffusion-eb-confidence", "0", "--seed", "0", "-no-cnv",
            "-ngl", "0"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    m = _STEP.search(proc.stdout + proc.stderr)
-    if proc.returncode != 0 or m is None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=3600)
+    marks = {int(m[4]): int(m[0]) * 60 + int(m[1]) + int(m[2]) / 1e3 + int(m[3]) / 1e6
+             for m in _STEP.findall(proc.stdout + proc.stderr)}
+    if proc.returncode != 0 or len(marks) < 2:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return {"error": f"llama-diffusion-cli exited {proc.returncode}: {' | '.join(tail)}"}
-    return {"s_per_step": float(m.group(1)) / 1000, "steps": int(m.group(2)), "command": " ".join(cmd)}
+        return {"error": f"llama-diffusion-cli exited {proc.returncode} with {len(marks)} step lines: "
+                         f"{' | '.join(tail)}"}
+    last = max(marks)
+    return {"s_per_step": (marks[last] - marks[0]) / last, "steps_timed": last, "command": " ".join(cmd)}
 
 
 def dgemma_step(model_path: Path, threads: int, steps: int, repeats: int, quantize: str | None = None) -> dict:
-    """Median seconds per step of one canvas with dgemma (fast engine, float32 activations)."""
+    """Seconds per step of one canvas with dgemma (fast engine, float32 activations), the same way: a turn of
+    `steps` steps minus a turn of one step, over steps - 1 (prefill and the first step cancel); median of repeats."""
     import torch
 
     import dgemma
@@ -54,14 +59,15 @@ def dgemma_step(model_path: Path, threads: int, steps: int, repeats: int, quanti
     model = dgemma.load(model_path, dtype="float32", **options)
     canvas = model.module.cfg.canvas_length
     messages = [{"role": "user", "content": PROMPT}]
-    model.generate(messages, max_new_tokens=canvas, max_denoising_steps=1, seed=0)  # warm-up
-    times = []
-    for i in range(repeats):
+
+    def turn(n: int, seed: int) -> float:
         t0 = time.perf_counter()
-        result = model.generate(messages, max_new_tokens=canvas, max_denoising_steps=steps,
-                                confidence_threshold=FIXED_STEPS_THRESHOLD, seed=i)
-        done = result.stats.get("steps_per_canvas") or [steps]
-        times.append((time.perf_counter() - t0) / sum(done))
+        model.generate(messages, max_new_tokens=canvas, max_denoising_steps=n,
+                       confidence_threshold=FIXED_STEPS_THRESHOLD, seed=seed)
+        return time.perf_counter() - t0
+
+    turn(1, 0)  # warm-up
+    times = [(turn(steps, i) - turn(1, i)) / (steps - 1) for i in range(repeats)]
     return {"s_per_step": statistics.median(times), "steps": steps, "weight_mb": _weight_summary(model.module)}
 
 
@@ -84,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                    "float32 row)")
     p.add_argument("--llama-bin", type=Path, default=None, help="folder with llama-diffusion-cli (row skipped without)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--steps", type=int, default=8, help="denoising steps per canvas (fixed)")
+    p.add_argument("--steps", type=int, default=8, help="denoising steps per canvas (fixed; at least 3)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--engines", default="llama.cpp,dgemma", help="subset of llama.cpp,dgemma")
     args = p.parse_args(argv)
