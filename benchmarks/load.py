@@ -164,10 +164,12 @@ def _percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def _start(model: str | None, device: str, threads: int | None, concurrency: int) -> tuple[subprocess.Popen, str]:
-    """`dgemma serve` on a free loopback port, ready to serve; the caller stops it with SIGTERM."""
+def _start(model: str | None, device: str, threads: int | None, concurrency: int,
+           extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    """`dgemma serve` on a free loopback port, ready to serve; the caller stops it with SIGTERM. `extra`: more
+    `dgemma serve` flags (later ones win)."""
     cmd = [sys.executable, "-m", "dgemma.server.command", "--port", "0", "--device", device, "--no-access-log",
-           "--max-concurrency", str(concurrency), "--max-queue", str(concurrency)]
+           "--max-concurrency", str(concurrency), "--max-queue", str(concurrency), *extra]
     cmd += ["--model", model] if model else []
     cmd += ["--threads", str(threads)] if threads else []
     env = os.environ | {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}

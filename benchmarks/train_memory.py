@@ -5,6 +5,11 @@
     git worktree add /tmp/train-old 777a050                      # the code before the memory work
     python benchmarks/train_memory.py --model /tmp/bench-ckpt --baseline /tmp/train-old
 
+Activation checkpointing: the same checkout without and with `--activation-checkpointing`, e.g. full fine-tuning of
+the bundled model on long sequences (8 canvases):
+
+    python benchmarks/train_memory.py --model dgemma/assets/demo --full --canvases 8 --batch-size 8 --checkpointing
+
 Each checkout runs `dgemma train --lora` in a fresh process (its own code on PYTHONPATH) on a synthetic corpus
 tokenized with the bundled demo tokenizer; the peak is that process's peak RSS (CPU) or
 torch.cuda.max_memory_allocated (CUDA). With --baseline, both runs use the same seed and data, so their per-step
@@ -52,19 +57,19 @@ def train_argv(args, data: Path, out: Path, precision: str) -> list[str]:
     config = data.with_name("log_every.json")  # a per-step loss in log.jsonl (no flag for it)
     config.write_text('{"log_every": 1}')
     return ["train", "--model", args.model, "--tokenizer", str(ROOT / "dgemma/assets/demo"), "--data", str(data),
-            "--out", str(out), "--lora", "--lora-r", "16", "--steps", str(args.steps), "--batch-size",
-            str(args.batch_size), "--canvases", "1", "--max-prompt", str(args.prompt), "--precision", precision,
-            "--seed", "0", "--eval-every", "0", "--save-every", "0", "--warmup", "1", "--config", str(config),
-            "--device", args.device, "--threads", str(args.threads), "--no-progress"]
+            "--out", str(out), *([] if args.full else ["--lora", "--lora-r", "16"]), "--steps", str(args.steps),
+            "--batch-size", str(args.batch_size), "--canvases", str(args.canvases), "--max-prompt", str(args.prompt),
+            "--precision", precision, "--seed", "0", "--eval-every", "0", "--save-every", "0", "--warmup", "1",
+            "--config", str(config), "--device", args.device, "--threads", str(args.threads), "--no-progress"]
 
 
-def measure(repo: Path, args, data: Path, out: Path) -> dict:
-    """One training run of the checkout `repo`: peak memory and the logged per-step losses."""
+def measure(repo: Path, args, data: Path, out: Path, extra: tuple[str, ...] = ()) -> dict:
+    """One training run of the checkout `repo` (with `extra` flags): peak memory and the logged per-step losses."""
     env = {**os.environ, "PYTHONPATH": str(repo)}
     spellings = [args.precision] + ([LEGACY_PRECISION[args.precision]] if args.precision in LEGACY_PRECISION else [])
     for precision in spellings:
-        proc = subprocess.run([sys.executable, "-c", RUNNER, *train_argv(args, data, out, precision)], cwd=repo,
-                              env=env, capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-c", RUNNER, *train_argv(args, data, out, precision), *extra],
+                              cwd=repo, env=env, capture_output=True, text=True)
         if proc.returncode == 0 or "precision=" not in proc.stderr:
             break
     if proc.returncode != 0:
@@ -85,18 +90,26 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens at most")
+    p.add_argument("--canvases", type=int, default=1, help="canvases per example")
+    p.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="compare this checkout without ('before') and with ('after') --activation-checkpointing")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         data = write_corpus(Path(tmp) / "corpus.txt")
-        rows = {"after": measure(ROOT, args, data, Path(tmp) / "after")}
-        if args.baseline:
+        rows = {"after": measure(ROOT, args, data, Path(tmp) / "after",
+                                 ("--activation-checkpointing",) if args.checkpointing else ())}
+        if args.checkpointing:
+            rows["before"] = measure(ROOT, args, data, Path(tmp) / "before")
+        elif args.baseline:
             rows["before"] = measure(args.baseline.resolve(), args, data, Path(tmp) / "before")
     for name, row in rows.items():
         print(f"{name}: peak {row['peak_mib']} MiB ({row['kind']}), losses {row['losses']}", file=sys.stderr)
     result = {"benchmark": "train_memory", "model": args.model, "precision": args.precision, "steps": args.steps,
-              "batch_size": args.batch_size, **{f"{k}_peak_mib": r["peak_mib"] for k, r in rows.items()}}
+              "batch_size": args.batch_size, "canvases": args.canvases, "full": args.full,
+              "checkpointing": args.checkpointing, **{f"{k}_peak_mib": r["peak_mib"] for k, r in rows.items()}}
     if "before" in rows:
         before, after = rows["before"], rows["after"]
         result["peak_reduction"] = round(1 - after["peak_mib"] / before["peak_mib"], 3)

@@ -1,7 +1,7 @@
 """dgemma: run, serve and fine-tune DiffusionGemma block-diffusion language models."""
 
 __version__ = "0.1.0"
-__all__ = ["Model", "Result", "StreamEvent", "load", "__version__"]
+__all__ = ["Grammar", "Model", "Result", "StreamEvent", "load", "__version__"]
 
 
 def __getattr__(name: str):
@@ -10,4 +10,8 @@ def __getattr__(name: str):
         from dgemma import api
 
         return getattr(api, name)
+    if name == "Grammar":
+        from dgemma.sampling import Grammar
+
+        return Grammar
     raise AttributeError(f"module 'dgemma' has no attribute {name!r}")

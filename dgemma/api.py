@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -18,12 +19,15 @@ from dgemma.options import MODES, SAMPLINGS
 from dgemma.quant import QuantizedWeight, parse_quantize
 from dgemma.quant import summary as quant_summary
 from dgemma.sampling import Limits, SamplingParams, SamplingParamsError
+from dgemma.sampling.constraints import GrammarVocab, shared_vocab
+from dgemma.sampling.seeded import Layout, edit_parts, parse_template
 from dgemma.tokenizer import Tokenizer
 from dgemma.weights import is_gguf, load_gguf_model, load_model, resolve_checkpoint
 
 DEMO_MODEL = Path(__file__).parent / "assets" / "demo"
 
 Prompt = str | list[int] | list[dict[str, Any]]
+CHAR_MARGIN = 2  # a token can cover more characters than its own text after normalisation (NFKC): stay safe
 
 
 @dataclass
@@ -33,10 +37,11 @@ class Result:
     finish_reason: str
     stats: dict[str, Any] = field(default_factory=dict)
     prompt_tokens: int = 0
+    logprobs: list | None = None  # with logprobs=k: (id, logprob, [(id, logprob)] * k) per token (sampling/logprobs.py)
 
     def to_dict(self) -> dict[str, Any]:
         return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason,
-                "prompt_tokens": self.prompt_tokens, "stats": self.stats}
+                "prompt_tokens": self.prompt_tokens, "stats": self.stats, "logprobs": self.logprobs}
 
 
 def load(path_or_repo: str | Path | None = None, dtype: str | torch.dtype = "auto",
@@ -105,9 +110,14 @@ class Model:
         self.max_context = text.max_position_embeddings
 
     # ---- inputs -----------------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
+    def encode_prompt(self, prompt: Prompt, max_tokens: int | None = None) -> list[int]:
+        """Text, chat messages or ids -> checked ids. With `max_tokens`, a prompt that cannot fit in that many
+        tokens (more characters than that many of the longest token hold, x CHAR_MARGIN) is refused before
+        any tokenizing or templating, so its cost is bounded by the limit, not by its length."""
         if isinstance(prompt, (str, list)) and not prompt:
             raise SamplingParamsError("empty prompt", "prompt")
+        if max_tokens is not None:
+            self._check_length(prompt, max_tokens)
         if isinstance(prompt, str):
             ids = self._require_tokenizer().encode(prompt)
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
@@ -117,6 +127,21 @@ class Model:
         else:
             raise SamplingParamsError("a prompt is text, a list of chat messages, or a list of token ids", "prompt")
         return self.check_ids(ids)
+
+    def prompt_limit(self, limits: Limits = Limits()) -> int:
+        """The most tokens a prompt may have: the context less one new token, and the deployment's cap."""
+        return min(self.max_context - 1, limits.max_prompt_tokens or self.max_context)
+
+    def _check_length(self, prompt: Prompt, max_tokens: int) -> None:
+        message = f"the prompt has {{}} {{}}; at most {max_tokens} tokens are allowed"
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            size, unit, cap = len(prompt), "tokens", max_tokens
+        else:
+            per_token = self.tokenizer.max_token_chars if self.tokenizer is not None else 1
+            size, unit, cap = _chars(prompt), "characters", max_tokens * per_token * CHAR_MARGIN
+            message += f", which no text over {cap} characters fits in"
+        if size > cap:
+            raise SamplingParamsError(message.format(size, unit), "prompt")
 
     def check_ids(self, ids: list[int]) -> list[int]:
         vocab = self.module.cfg.text.vocab_size
@@ -136,13 +161,74 @@ class Model:
         return self.tokenizer
 
     def params(self, **options: Any) -> SamplingParams:
+        """SamplingParams fields, plus the seeded-canvas options: `suffix` (infill: the output is the text
+        between the prompt and this suffix, at most max_new_tokens), `template` (text with [[hole]] /
+        [[hole:N]] holes; the output is the filled template), `edit` (a draft, text or ids) with `renoise`
+        (a fraction of its tokens chosen by the seed, or (start, end) spans: characters of a text draft, indices
+        of an id draft)."""
+        seeded = {k: options.pop(k) for k in ("suffix", "template", "edit", "renoise") if k in options}
+        if any(v is not None for v in seeded.values()):
+            options["seeded"] = self._layout(options, **seeded)
         return self.defaults.replace(**options)
 
-    def check_request(self, ids: list[int], params: SamplingParams, limits: Limits = Limits()) -> None:
+    def _layout(self, options: dict[str, Any], suffix: str | None = None, template: str | None = None,
+                edit: str | list[int] | None = None, renoise: float | list[tuple[int, int]] | None = None) -> Layout:
+        given = [k for k, v in (("suffix", suffix), ("template", template), ("edit", edit)) if v is not None]
+        if len(given) != 1 or (renoise is None) != (edit is None):
+            raise SamplingParamsError("give one of suffix, template, or edit with renoise", (given or ["edit"])[-1])
+        if suffix is not None:
+            hole = options.get("max_new_tokens") or self.defaults.max_new_tokens
+            return Layout.from_parts([hole, self._text_ids(suffix, "suffix")], echo=False, param="suffix")
+        if template is not None:
+            parts = parse_template(template)
+            return Layout.from_parts([p if isinstance(p, int) else self._text_ids(p, "template") for p in parts])
+        ids, offsets = (edit, [(i, i + 1) for i in range(len(edit))]) if isinstance(edit, list) else \
+            self._text_offsets(edit)
+        if isinstance(renoise, (int, float)):
+            if not 0 < renoise <= 1:
+                raise SamplingParamsError(f"renoise={renoise} must be a fraction in (0, 1]", "renoise")
+            rng = random.Random(options.get("seed") or 0)
+            chosen = set(rng.sample(range(len(ids)), max(1, round(renoise * len(ids)))))
+        else:
+            chosen = {i for i, (a, b) in enumerate(offsets) for s, e in renoise if a < e and s < b}
+        return Layout.from_parts(edit_parts(self.check_ids(list(ids)), chosen), param="edit")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's raw bytes (a piece of a multi-byte character stays a piece)."""
+        return self.grammar_vocab().tokenizer.decode_bytes([token_id])
+
+    def _text_ids(self, text: str, param: str) -> list[int]:
+        if not isinstance(text, str) or not text:
+            raise SamplingParamsError(f"{param} must be a non-empty string", param)
+        return self._require_tokenizer().encode(text, add_bos=False)
+
+    def _text_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        enc = self._require_tokenizer().tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
+    def check_request(self, ids: list[int], params: SamplingParams, limits: Limits = Limits(),
+                      mode: str = "diffusion", sampling: str = "fast") -> None:
         """Everything about a request that needs the model: the one validation path (SamplingParams)."""
+        seeded, grammar = params.seeded, params.grammar
+        if (seeded is not None and (mode, sampling) != ("diffusion", "fast")) or (grammar and sampling != "fast"):
+            raise SamplingParamsError("constrained and seeded output need the fast sampler (seeded: in diffusion "
+                                      "mode)", (seeded or grammar).param)
+        if params.logprobs is not None and (mode, sampling) != ("diffusion", "fast"):
+            raise SamplingParamsError("logprobs need fast diffusion decoding", "logprobs")
+        if seeded is not None and not params.eos_token_ids:
+            raise SamplingParamsError("a suffix, template or edit needs an end-of-sequence token", seeded.param)
         params.validate(self.module.cfg.text.vocab_size, self.max_context, len(ids), limits)
         if params.stop and self.tokenizer is None:
             raise SamplingParamsError("stop strings need a tokenizer; this checkpoint has none", "stop")
+        if params.grammar is not None:  # a matcher for this grammar: it must be able to match something
+            self.grammar_vocab(params.grammar.param).matcher(params.grammar, params.eos_token_ids or ())
+
+    def grammar_vocab(self, param: str = "grammar") -> GrammarVocab:
+        """The vocabulary as the grammar engine sees it (built on first use)."""
+        if self.tokenizer is None:
+            raise SamplingParamsError("constrained output needs a tokenizer; this checkpoint has none", param)
+        return shared_vocab(self, self.tokenizer.tok.to_str(), self.module.cfg.text.vocab_size,
+                            self.defaults.eos_token_ids or ())
 
     # ---- generation -------------------------------------------------------------------------------------
     def generate(self, prompt: Prompt | list[Prompt], mode: str = "diffusion", sampling: str = "fast",
@@ -169,17 +255,21 @@ class Model:
             bad, name, names = (("mode", mode, MODES) if mode not in MODES else ("sampling", sampling, SAMPLINGS))
             raise SamplingParamsError(f"{bad}={name!r} must be one of {', '.join(names)}", bad)
         if mode == "autoregressive":
-            return AutoregressiveEngine(self.module, eos)
-        if sampling == "reference":
-            return ReferenceRunner(self.module, eos, self.pad_id)
-        return Engine(self.module, eos, self.pad_id, max_batch)
+            runner = AutoregressiveEngine(self.module, eos)
+        elif sampling == "reference":
+            runner = ReferenceRunner(self.module, eos, self.pad_id)
+        else:
+            runner = Engine(self.module, eos, self.pad_id, max_batch)
+        if self.tokenizer is not None:
+            runner.grammar_vocab = self.grammar_vocab
+        return runner
 
     def _run(self, prompts: list[Prompt], mode: str, sampling: str, options: dict[str, Any],
              drafts: bool) -> Iterator[tuple[int, StreamEvent]]:
         params = self.params(**options)
         ids = [self.encode_prompt(p) for p in prompts]
         for x in ids:
-            self.check_request(x, params)
+            self.check_request(x, params, mode=mode, sampling=sampling)
         runner = self.runner(mode, sampling, max(1, len(ids)))
         reqs = {}
         for i, x in enumerate(ids):
@@ -196,7 +286,8 @@ class Model:
     def _result(self, req: Request, out: OutputStream) -> Result:
         req.stats.t_end = req.stats.t_end or time.perf_counter()
         ids = out.kept_ids()
-        return Result(ids, out.text, out.finish_reason, req.stats.to_dict(len(ids)), len(req.prompt))
+        logprobs = out.logprobs[:len(ids)] if req.params.logprobs is not None else None
+        return Result(ids, out.text, out.finish_reason, req.stats.to_dict(len(ids)), len(req.prompt), logprobs)
 
     # ---- description ------------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -213,3 +304,14 @@ class Model:
             "sliding_window": t.sliding_window, "max_context": t.max_position_embeddings,
             "tokenizer": self.tokenizer is not None, "eos_token_ids": list(self.defaults.eos_token_ids or ()),
         }
+
+
+def _chars(value: Any) -> int:
+    """Characters in every string of a text or of nested chat messages (keys excluded)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_chars(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_chars(v) for v in value)
+    return 0

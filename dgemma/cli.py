@@ -34,13 +34,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
     options = {"max_new_tokens": args.max_new_tokens, "max_denoising_steps": args.steps, "t_min": args.t_min,
                "t_max": args.t_max, "entropy_bound": args.entropy_bound, "seed": args.seed,
                "stop": tuple(args.stop) or None, "ar_temperature": args.ar_temperature,
-               "mode": args.mode, "sampling": args.sampling}
+               "mode": args.mode, "sampling": args.sampling, "grammar": _grammar(args)}
     if args.json:
         print(json.dumps(model.generate(prompt, **options).to_dict()))
         return 0
     events = model.stream(prompt, drafts=args.visual, **options)
     print_stream(events, visual=args.visual, show_ids=model.tokenizer is None)
     return 0
+
+
+def _grammar(args: argparse.Namespace):
+    """--json-schema FILE / --regex / --grammar FILE -> a Grammar (None: free text)."""
+    from dgemma.sampling import Grammar
+
+    if args.regex is not None:
+        return Grammar.regex(args.regex, "--regex")
+    for flag, path, make in (("--json-schema", args.json_schema, Grammar.json_schema),
+                             ("--grammar", args.grammar, Grammar.lark)):
+        if path is not None:
+            try:
+                text = open(path, encoding="utf-8").read()
+            except OSError as e:
+                raise DgemmaError(f"{flag} {path}: {e.strerror}") from None
+            return make(text, flag)
+    return None
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -68,6 +85,10 @@ def _add_generate(sub) -> None:
                    help="fast: continuous batching, per-request RNG (default); reference: transformers draw for draw")
     add_mode_option(p)
     p.add_argument("--ar-temperature", type=float, help="autoregressive mode: sampling temperature (0 = greedy)")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this JSON schema file")
+    shape.add_argument("--regex", help="the output matches this regular expression (whole text)")
+    shape.add_argument("--grammar", metavar="FILE", help="the output matches this Lark grammar (llguidance dialect)")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print one JSON object: ids, text, statistics")
     out.add_argument("--visual", action="store_true", help="show the canvas refining in place, then the text")
@@ -86,7 +107,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     wanted = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
     for name, module, help in (("serve", "dgemma.server.command", "serve an OpenAI-compatible HTTP API"),
                                ("train", "dgemma.train.command", "train or fine-tune (full or LoRA)"),
-                               ("bench", "dgemma.bench", "benchmark dgemma against the reference and AR decoding")):
+                               ("bench", "dgemma.bench", "benchmark dgemma against the reference and AR decoding"),
+                               ("quantize", "dgemma.convert", "write a quantized (compressed-tensors) checkpoint")):
         _add_delegated(sub, name, module, help, load=name == wanted)
     return parser
 

@@ -24,7 +24,8 @@ def add_model_options(p: argparse.ArgumentParser, dtype_help: str | None = None)
 
 def add_quantize_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default=None, metavar="SCHEME",
-                   help="quantize weights while loading: int8 or int4 (group-wise symmetric, 32 columns per scale); "
+                   help="quantize weights while loading: int8, int4 (group-wise symmetric, 32 columns per scale) or "
+                   "nvfp4; "
                    "int4:64 sets the group, int4+emb8 keeps the embedding / LM head in int8, +embfp in float")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ class Tokenizer:
         self.bos_token = bos_token or "<bos>"
         self.eos_token = eos_token or "<eos>"
         self.add_bos = add_bos
+        self._pieces: dict[int, str] = {}
 
     @classmethod
     def maybe_load(cls, directory: Path) -> Tokenizer | None:
@@ -48,11 +50,18 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry in characters: a text of C characters has at least C / this many tokens."""
+        return max((len(t) for t in self.tok.get_vocab()), default=1)
+
     def token_id(self, text: str) -> int | None:
         return self.tok.token_to_id(text)
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works (encode does not), so a huge prompt tokenized in a
+        # worker thread does not stall the server's event loop
+        ids = self.tok.encode_batch([text], add_special_tokens=False)[0].ids
         bos = self.token_id(self.bos_token)
         if (self.add_bos if add_bos is None else add_bos) and bos is not None and ids[:1] != [bos]:
             ids = [bos, *ids]
@@ -60,6 +69,13 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+    def pieces(self, ids: list[int]) -> list[str]:
+        """Each id's own text (special tokens by name), to show a canvas position by position. Remembered per id
+        (at most the vocabulary): drafts repeat most ids from step to step."""
+        if missing := list({i for i in ids if i not in self._pieces}):
+            self._pieces.update(zip(missing, self.tok.decode_batch([[i] for i in missing], skip_special_tokens=False)))
+        return [self._pieces[i] for i in ids]
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:

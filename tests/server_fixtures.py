@@ -73,12 +73,14 @@ class LiveServer:
     def __init__(self, app):
         import uvicorn
 
+        from dgemma.server.connections import uvicorn_config
+
         self.app = app
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", http="h11", lifespan="on", timeout_graceful_shutdown=5)
+        config = uvicorn_config(app, app.state.service.config, log_level="warning", timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

@@ -195,7 +195,8 @@ def test_autoregressive_greedy_matches_reference_argmax(pair):
     ([5], {"t_min": 0.9, "t_max": 0.5}, "t_max"),
     ([5], {"t_min": -1.0}, "t_min"),
     ([5], {"entropy_bound": 0.0}, "entropy_bound"),
-    ([5] * 200_000, {}, "exceeds the context"),
+    ([5] * 200_000, {}, "leaves no room"),
+    ([5] * 100, {"max_new_tokens": 200_000}, "exceeds the context"),
 ])
 def test_bad_input(pair, prompt, options, message):
     _, model, _ = pair

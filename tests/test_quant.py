@@ -151,8 +151,10 @@ def test_quantize_spec_grammar():
     spec = parse_quantize("int8:128+embfp")
     assert (spec.bits, spec.group_size, spec.embedding_bits, spec.name) == (8, 128, None, "int8:128+embfp")
     assert parse_quantize("int4+emb8").embedding_bits == 8
+    nv = parse_quantize("nvfp4")
+    assert (nv.nvfp4, nv.group_size, nv.embedding_bits, nv.name) == (True, 16, None, "nvfp4")
     for bad in ("int3", "int4:7", "fp8", "int4+emb2", ""):
-        with pytest.raises(ConfigError, match="expected int8 or int4"):
+        with pytest.raises(ConfigError, match="expected int8, int4 or nvfp4"):
             parse_quantize(bad)
 
 
@@ -175,3 +177,11 @@ def test_cli_quantize_flag_and_error():
     assert json.loads(ok.stdout)["quantization"] == f"int8 g32: {tensors} tensors"
     bad = subprocess.run(run + ["int5"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "int5" in bad.stderr
+
+
+def test_quantized_model_is_not_saved_as_float(tmp_path):
+    from dgemma.weights import save_model
+
+    with pytest.raises(CheckpointError, match="holds quantized weights"):
+        save_model(dgemma.load(None, quantize="int8").module, tmp_path / "x")
+    assert not (tmp_path / "x").exists()

@@ -71,8 +71,15 @@ def test_sigterm_drains_and_exits_cleanly(checkpoint):
         assert wait_until(lambda: out.get("long"), 30)
         short.start()
         assert wait_until(lambda: out.get("short"), 30)  # both in flight: SIGTERM now
+        late = httpx.Client(headers=auth)
+        assert late.get(url + "/health").status_code == 200  # an open keep-alive connection
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        r = late.post(url + "/v1/completions", json={"prompt": "Hi"})  # on the open connection: 503, not a reset
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/health", timeout=2)  # but no new connections
         assert proc.wait(timeout=30) == 0
         elapsed = time.monotonic() - t0
         long.join(10)
@@ -100,8 +107,8 @@ def test_draining_refuses_new_work_and_aborts_after_the_timeout(checkpoint):
     s = start_server(checkpoint, shutdown_timeout=1.0)
     try:
         out: dict = {}
-        long = threading.Thread(target=_stream, args=(s.url, {"prompt": "Hi", "max_tokens": 100_000, "stream": True},
-                                                      out, "long"))
+        long = threading.Thread(target=_stream, args=(s.url, {"prompt": "Hi", "max_tokens": 100_000, "stream": True,
+                                                              "dgemma_drafts": True}, out, "long"))
         long.start()
         assert wait_until(lambda: s.service.worker.running == 1, 30)
         s.service.begin_drain()

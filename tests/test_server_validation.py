@@ -95,9 +95,15 @@ BAD = [
     ("tool role", X, {"messages": [{"role": "tool", "content": "hi"}]}, 400, "messages[0].role"),
     ("image part", X, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
         "url": "http://x/y.png"}}]}]}, 400, "messages[0].content"),
-    ("logprobs", X, {"messages": CHAT, "logprobs": True}, 400, "logprobs"),
+    ("top_logprobs without logprobs", X, {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("too many top_logprobs", X, {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("tools", X, {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ("json mode", X, {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("response_format xml", X, {"messages": CHAT, "response_format": {"type": "xml"}}, 400, "response_format"),
+    ("json_schema without schema", X, {"messages": CHAT, "response_format": {"type": "json_schema",
+                                                                            "json_schema": {"name": "x"}}},
+     400, "response_format"),
+    ("invalid json schema", X, {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "strin"}}}}, 400, "response_format"),
     ("functions", X, {"messages": CHAT, "functions": [{"name": "f"}]}, 400, "functions"),
     ("function_call", X, {"messages": CHAT, "function_call": {"name": "f"}}, 400, "function_call"),
     ("parallel tool calls", X, {"messages": CHAT, "parallel_tool_calls": True}, 400, "parallel_tool_calls"),
@@ -109,6 +115,7 @@ BAD = [
     ("logit bias", C, {"prompt": "hi", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
     ("echo", C, {"prompt": "hi", "echo": True}, 400, "echo"),
     ("best_of", C, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("suffix without an EOS id", C, {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
 ]
 
 
@@ -179,7 +186,7 @@ def test_oversized_bodies_and_headers_are_refused(server):
             yield b"x" * 1024
 
     r = httpx.post(server.url + C, content=chunks(), headers=JSON)
-    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     r = httpx.get(server.url + "/health", headers={"x-big": "y" * (40 << 10)})
     assert r.status_code == 431 and r.json()["error"]["type"] == "invalid_request_error"
     assert httpx.get(server.url + "/health").status_code == 200  # and the server lives on
@@ -292,6 +299,8 @@ def test_cors_is_off_by_default_and_exact_when_configured(server, checkpoint):
         assert "access-control-allow-credentials" not in r.headers
         r = httpx.options(s.url + C, headers=preflight | {"origin": "http://other.example"})
         assert r.headers.get("access-control-allow-origin") != "http://other.example"
+        assert r.status_code == 400 and r.json()["error"]["code"] == "cors_refused"  # an OpenAI error object
+        assert "origin" in r.json()["error"]["message"]
         assert httpx.get(s.url + "/health", headers={"host": "myhost.internal"}).status_code == 200
     finally:
         s.stop()

@@ -4,6 +4,7 @@ another, one token per `step()`."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -16,6 +17,8 @@ from dgemma.sampling import sample_next
 
 
 class AutoregressiveEngine(Runner):
+    constrains = True
+
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...]):
         super().__init__(model, eos_ids)
         self.current: tuple[Request, KVCache, torch.Tensor] | None = None  # request, cache, last hidden [1, H]
@@ -38,7 +41,13 @@ class AutoregressiveEngine(Runner):
         if self.current is None:
             return []
         req, cache, hidden = self.current
-        token = int(sample_next(self.model.head(hidden), req.params.ar_temperature, req.generator)[0])
+        logits = self.model.head(hidden)
+        if req.grammar is not None:  # masked logits; the token is then locked into the grammar's prefix
+            logits = logits.masked_fill(~req.grammar.allowed().to(logits.device), -math.inf)
+        token = int(sample_next(logits, req.params.ar_temperature, req.generator)[0])
+        if req.grammar is not None and not req.grammar.extend([token]):
+            req.grammar.give_up()
+            token = req.grammar.locked[-1]
         req.stats.decoder_passes += 1
         req.stats.t_first_commit = req.stats.t_first_commit or time.perf_counter()
         events: list[Event] = []
@@ -54,6 +63,8 @@ class AutoregressiveEngine(Runner):
 
     def _start(self, req: Request) -> tuple[Request, KVCache, torch.Tensor]:
         req.stats.t_start = time.perf_counter()
+        if req.grammar is not None:
+            req.grammar.start_canvas(req.params.max_new_tokens + 1)  # one prefix for the whole output
         cache = self.model.new_cache(1, len(req.prompt) + req.params.max_new_tokens + 1)
         return req, cache, self._encode(req.prompt, cache)
 

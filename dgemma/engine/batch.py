@@ -53,6 +53,8 @@ class Canvas:
     temperatures: Tensor  # [B, S] each row's schedule, padded with its last entry
     entropy_bound: Tensor  # [B]
     signal: Tensor | None = None
+    accepted: Tensor | None = None  # [B, C] bool: positions whose sample the last step kept
+    stepped: list[bool] | None = None  # rows the last step moved (not frozen before it)
     step: int = 0
 
     @classmethod
@@ -84,9 +86,17 @@ class Canvas:
             r.stats.decoder_passes += not f and not r.finished
             self.row_steps[i] += not f
         self.done = self.done | self.stopper.update(argmax, out.entropy)
-        self.tokens, self.argmax, self.signal = tokens, argmax, signal
+        self.tokens, self.argmax, self.signal, self.accepted = tokens, argmax, signal, out.accepted
+        self.stepped = [not f for f in self.frozen]
         self.step += 1
         self.frozen = self.done.tolist()  # the step's one host read
+
+    def mark_done(self, rows: list[int]) -> None:
+        """These rows have nothing left to denoise on this canvas (e.g. their grammar prefix is complete)."""
+        if rows:
+            self.done[torch.tensor(rows, device=self.done.device)] = True
+            for i in rows:
+                self.frozen[i] = True
 
     def over(self, rows: list[Request], finished_rows_count: bool) -> bool:
         """Every row is done or out of steps; finished rows (aborted, or ended in an earlier canvas) count as
@@ -104,22 +114,29 @@ class Canvas:
         self.tokens, self.argmax, self.done = self.tokens[index], self.argmax[index], self.done[index]
         self.signal = None if self.signal is None else self.signal[index]
         self.temperatures, self.entropy_bound = self.temperatures[index], self.entropy_bound[index]
+        self.accepted = None if self.accepted is None else self.accepted[index]
         self.frozen = [self.frozen[i] for i in keep]
+        self.stepped = None if self.stepped is None else [self.stepped[i] for i in keep]
         self.row_steps = [self.row_steps[i] for i in keep]
         self.stopper.select(index)
 
     def drafts(self, rows: list[Request], events: list[Event]) -> None:
-        """A draft event (the visible part of the current canvas) for each live row that asked for drafts."""
-        if any(r.drafts and not r.finished for r in rows):
-            for r, ids in zip(rows, self.argmax.tolist()):
-                if r.drafts and not r.finished:
-                    events.append(Event(r.id, "draft", r.visible(ids)))
+        """A draft event (the visible part of the current canvas and which of its positions the step accepted)
+        for each live row that asked for drafts and moved this step: a frozen row's draft would repeat itself."""
+        live = [i for i, r in enumerate(rows) if r.drafts and not r.finished and self.stepped[i]]
+        if live:
+            c = self.argmax.shape[1]
+            both = torch.cat([self.argmax, self.accepted.long()], dim=1).tolist()  # one device read
+            for i in live:
+                ids = rows[i].visible(both[i][:c])
+                events.append(Event(rows[i].id, "draft", ids, accepted=[a == 1 for a in both[i][c:c + len(ids)]]))
 
     def commit(self, rows: list[Request], pad_id: int, events: list[Event]) -> Tensor:
         """Commit each live row's draft up to its first EOS and within its budget; returns the canvas padded as
         transformers does (each row with its own EOS ids), ready to be encoded."""
         finished = torch.tensor([r.finished for r in rows], device=self.argmax.device)
-        eos = _row_table([list(r.eos) for r in rows], self.argmax.device, torch.long, -1)
+        eos_ids = [list(r.eos) if r.seeded is None else [] for r in rows]  # a seeded row's EOS may end a hole only
+        eos = _row_table(eos_ids, self.argmax.device, torch.long, -1)
         padded = finalize_canvas(self.argmax, eos, pad_id, finished)
         for r, ids, steps in zip(rows, self.argmax.tolist(), self.row_steps):
             if not r.finished:

@@ -20,6 +20,9 @@ from dgemma.engine.request import Event, Request
 from dgemma.engine.runner import Runner
 from dgemma.model import DiffusionGemma
 from dgemma.sampling import random_tokens
+from dgemma.sampling.constrained import Head, constrain_step, finish_rows, start_canvas
+from dgemma.sampling.logprobs import canvas_logprobs
+from dgemma.sampling.seeded import seed_canvas, seed_step
 from dgemma.sampling.fused import fast_step
 
 
@@ -47,6 +50,8 @@ def prefill_groups(rows: list[Request], waste: float = 0.25) -> list[list[Reques
 
 
 class Engine(Runner):
+    constrains = seeds = True
+
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], pad_id: int = 0, max_batch: int = 16):
         super().__init__(model, eos_ids)
         self.pad_id = pad_id
@@ -84,7 +89,9 @@ class Engine(Runner):
             b = self.batch
             tokens = random_tokens((len(b.rows), self.canvas_length), self.model.cfg.text.vocab_size,
                                    self.model.device, [r.generator for r in b.rows])
+            seed_canvas([r.seeded for r in b.rows], tokens)
             b.canvas = Canvas.start(b.rows, tokens)
+            start_canvas([r.grammar for r in b.rows], [r.budget for r in b.rows], self.canvas_length)
 
     def _commit(self, b: _Batch) -> None:
         """Encode the last canvas of the rows that go on."""
@@ -135,10 +142,38 @@ class Engine(Runner):
             return  # aborted rows leave mid-canvas, so they stop costing compute
         cv, model = b.canvas, self.model
         hidden = model.denoise(cv.tokens, b.cache, cv.signal, self._positions(b))
+        inv_temp = 1.0 / cv.temperature()
         out, signal = fast_step(hidden, model.embed_tokens.weight, model.cfg.text.final_logit_softcapping,
-                                model.embed_scale, 1.0 / cv.temperature(), cv.entropy_bound,
+                                model.embed_scale, inv_temp, cv.entropy_bound,
                                 [r.generator for r in b.rows], cv.frozen, want_signal=not cv.last_step(b.rows))
+        out = seed_step([None if r.finished else r.seeded for r in b.rows], out)
+        grammars = [None if r.finished else r.grammar for r in b.rows]
+        if any(grammars):
+            out = constrain_step(grammars, out, hidden, self._head(), inv_temp,
+                                 [r.generator for r in b.rows], cv.frozen)
         cv.advance(b.rows, out, signal)
+        if any(grammars):
+            cv.mark_done(finish_rows(grammars, cv.argmax, hidden, self._head(), self._ending(b.rows)))
+        ending = self._ending(b.rows)  # with the rows whose grammar prefix just completed
+        if any(r.params.logprobs is not None for r in b.rows):
+            self._logprobs(b.rows, hidden, inv_temp.tolist(), ending)
+        cv.mark_done([i for i, e in enumerate(ending) if e and not cv.frozen[i]])  # out of steps: stop this row
         cv.drafts(b.rows, events)
         if cv.over(b.rows, finished_rows_count=False):
             b.pending, b.canvas = cv.commit(b.rows, self.pad_id, events), None
+
+    def _head(self) -> Head:
+        return Head(self.model.embed_tokens.weight, self.model.cfg.text.final_logit_softcapping)
+
+    def _ending(self, rows) -> list[bool]:
+        """Rows whose canvas ends at this step: done, or out of denoising steps."""
+        cv = self.batch.canvas
+        return [f or n >= r.params.max_denoising_steps for f, n, r in zip(cv.frozen, cv.row_steps, rows)]
+
+    def _logprobs(self, rows, hidden: torch.Tensor, inv_temp: list[float], ending: list[bool]) -> None:
+        """Rows that asked for logprobs and whose canvas ends now: their draft's log-probabilities at this step."""
+        cv = self.batch.canvas
+        for i, r in enumerate(rows):
+            if r.params.logprobs is not None and ending[i] and r.canvas_logprobs is None and not r.finished:
+                r.canvas_logprobs = canvas_logprobs(hidden[i], cv.argmax[i].tolist(), self._head(), inv_temp[i],
+                                                    r.params.logprobs)

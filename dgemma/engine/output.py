@@ -14,9 +14,9 @@ from dgemma.tokenizer import IncrementalDecoder, Tokenizer
 
 @dataclass
 class StreamEvent:
-    """draft: the current canvas (text and ids; `canvas` counts committed canvases, `step` the denoising steps
-    of this one); text: newly committed text and ids; done: the request ended (`finish_reason`; the API adds
-    its `result`)."""
+    """draft: the current canvas (text and ids, each position's own text in `pieces`, the positions the step
+    kept in `accepted`; `canvas` counts committed canvases, `step` the denoising steps of this one); text: newly
+    committed text and ids; done: the request ended (`finish_reason`; the API adds its `result`)."""
 
     kind: Literal["draft", "text", "done"]
     text: str = ""
@@ -25,6 +25,9 @@ class StreamEvent:
     canvas: int = 0
     step: int = 0
     result: Any = None
+    logprobs: list | None = None  # text: (id, logprob, [(id, logprob)] alternatives) per committed id, when asked
+    pieces: list[str] = field(default_factory=list)
+    accepted: list[bool] = field(default_factory=list)
 
 
 class OutputStream:
@@ -40,6 +43,7 @@ class OutputStream:
         self.stopped = False
         self.canvases = self.steps = 0
         self.finish_reason: str | None = None
+        self.logprobs: list = []
 
     @property
     def text(self) -> str | None:
@@ -57,12 +61,15 @@ class OutputStream:
             return []
         if event.kind == "draft":
             self.steps += 1
-            text = self.tokenizer.decode(event.token_ids) if self.tokenizer is not None else ""
-            return [StreamEvent("draft", text, event.token_ids, canvas=self.canvases, step=self.steps)]
+            tok, ids = self.tokenizer, event.token_ids
+            text, pieces = (tok.decode(ids), tok.pieces(ids)) if tok is not None else ("", [])
+            return [StreamEvent("draft", text, ids, canvas=self.canvases, step=self.steps, pieces=pieces,
+                                accepted=event.accepted)]
         if event.kind == "commit":
             self.canvases, self.steps = self.canvases + 1, 0
             self.ids.extend(event.token_ids)
-            out = [StreamEvent("text", self._push(event.token_ids), event.token_ids)]
+            self.logprobs.extend(event.logprobs or [])
+            out = [StreamEvent("text", self._push(event.token_ids), event.token_ids, logprobs=event.logprobs)]
             return out + [self._done("stop")] if self.stopped else out
         reason = event.finish_reason
         if reason not in ("stop", "length"):

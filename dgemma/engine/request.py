@@ -9,6 +9,9 @@ from typing import Literal
 import torch
 
 from dgemma.sampling import SamplingParams
+from dgemma.sampling.constraints import RowGrammar
+from dgemma.sampling.logprobs import Entry
+from dgemma.sampling.seeded import SeedState
 
 
 @dataclass
@@ -45,6 +48,9 @@ class Request:
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stats: Stats = field(default_factory=Stats)
+    grammar: RowGrammar | None = None  # the request's grammar state, when its params carry a grammar
+    seeded: SeedState | None = None  # its progress through a seeded layout (fixed tokens and holes)
+    canvas_logprobs: list[Entry] | None = None  # this canvas's, when params.logprobs is set (sampling/logprobs.py)
 
     @property
     def budget(self) -> int:
@@ -55,18 +61,30 @@ class Request:
         return self.finish_reason is not None
 
     def visible(self, ids: list[int]) -> list[int]:
-        """The part of a canvas this request shows: up to its first EOS and within its token budget."""
+        """The part of a canvas this request shows: up to its first EOS and within its token budget (a seeded
+        request: its layout's rule)."""
+        if self.seeded is not None:
+            return self.seeded.preview(ids)
         cut = next((i for i, t in enumerate(ids) if t in self.eos), len(ids))
         return ids[:min(cut, self.budget)]
 
     def commit(self, canvas: list[int], steps: int, events: list[Event]) -> None:
         """Append a finished canvas's visible tokens; finish on EOS ("stop") or an exhausted budget ("length")."""
         self.stats.steps_per_canvas.append(steps)
+        if self.seeded is not None:
+            new, complete = self.seeded.take(canvas)
+            self.output.extend(new)
+            self.stats.t_first_commit = self.stats.t_first_commit or time.perf_counter()
+            events.append(Event(self.id, "commit", new))
+            if complete:
+                self.finish("stop", events)
+            return
         hit_eos = any(t in self.eos for t in canvas[:self.budget])
         new = self.visible(canvas)
         self.output.extend(new)
         self.stats.t_first_commit = self.stats.t_first_commit or time.perf_counter()
-        events.append(Event(self.id, "commit", new))
+        logprobs, self.canvas_logprobs = self.canvas_logprobs, None
+        events.append(Event(self.id, "commit", new, logprobs=None if logprobs is None else logprobs[:len(new)]))
         if hit_eos:
             self.stats.eos_tokens += 1
             self.finish("stop", events)
@@ -82,9 +100,12 @@ class Request:
 
 @dataclass
 class Event:
-    """draft: the visible part of the current canvas; commit: newly committed ids; finish: the request ended."""
+    """draft: the visible part of the current canvas (`accepted`: which of its positions the step kept);
+    commit: newly committed ids; finish: the request ended."""
 
     request_id: str
     kind: Literal["draft", "commit", "finish"]
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    logprobs: list[Entry] | None = None  # commit: one entry per committed id, when the request asked
+    accepted: list[bool] = field(default_factory=list)

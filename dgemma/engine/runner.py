@@ -4,20 +4,26 @@ model's device) and driving `step()` to the end."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from dgemma.engine.request import Event, Request
 from dgemma.model import DiffusionGemma
-from dgemma.sampling import SamplingParams, make_generator
+from dgemma.sampling import SamplingParams, SamplingParamsError, make_generator
+from dgemma.sampling.constraints import GrammarVocab
+from dgemma.sampling.seeded import SeedState
 
 _ids = itertools.count()
 
 
 class Runner:
+    constrains = False  # follows request grammars
+    seeds = False  # follows seeded layouts (suffix, template, edit)
+
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...]):
         self.model = model
         self.eos_ids = tuple(eos_ids)
         self.waiting: list[Request] = []
+        self.grammar_vocab: Callable[[], GrammarVocab] | None = None  # set by whoever knows the tokenizer
 
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                     drafts: bool = False) -> Request:
@@ -31,7 +37,18 @@ class Runner:
         """`seeded=False`: no generator of its own (the reference draws from the global RNG)."""
         eos = params.eos_token_ids if params.eos_token_ids is not None else self.eos_ids
         generator = make_generator(params.seed, self.model.device) if seeded else None
-        return Request(request_id or f"req-{next(_ids)}", list(prompt), params, tuple(eos), drafts, generator)
+        req = Request(request_id or f"req-{next(_ids)}", list(prompt), params, tuple(eos), drafts, generator)
+        if params.grammar is not None:
+            if not self.constrains or self.grammar_vocab is None:
+                raise SamplingParamsError("constrained output needs a tokenizer and fast diffusion or "
+                                          "autoregressive decoding", params.grammar.param)
+            req.grammar = self.grammar_vocab().matcher(params.grammar, req.eos)
+        if params.seeded is not None:
+            if not self.seeds or not req.eos:
+                raise SamplingParamsError("a suffix, template or edit needs fast diffusion decoding and an "
+                                          "end-of-sequence token", params.seeded.param)
+            req.seeded = SeedState(params.seeded, req.eos)
+        return req
 
     def held(self) -> list[Request]:
         """The requests this engine holds (waiting or running)."""

@@ -74,6 +74,10 @@ class QuantizedWeight(nn.Module):
     def group_size(self) -> int:
         raise NotImplementedError
 
+    def rebuild(self, buffers: dict[str, torch.Tensor]) -> QuantizedWeight:
+        """The same format over other buffers (every persistent buffer has the rows N at dim -2)."""
+        raise NotImplementedError
+
     # ---- shared ---------------------------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
@@ -133,6 +137,17 @@ class QuantizedWeight(nn.Module):
         """Rows `ids` (any shape) in self.dtype, decoding only those rows."""
         flat = ids.reshape(-1)
         return self.dequantize(flat).view(*ids.shape, self.shape[-1])
+
+
+def join(parts: list[QuantizedWeight], stack: bool = False) -> QuantizedWeight:
+    """Concatenate weights of one format along their rows (gate + up -> gate_up) or stack them (experts -> [E, N, K])."""
+    first = parts[0]
+    if any(type(p) is not type(first) or p.group_size != first.group_size for p in parts):
+        raise ValueError(f"cannot join weights of different formats: {sorted({p.extra_repr() for p in parts})}")
+    names = [n for n, _ in first.named_buffers() if n in first.state_dict()]
+    tensors = [p.state_dict() for p in parts]
+    op = torch.stack if stack else (lambda ts: torch.cat(ts, dim=-2))
+    return first.rebuild({n: op([t[n] for t in tensors]) for n in names})
 
 
 def summary(model: nn.Module) -> str | None:

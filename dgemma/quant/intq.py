@@ -52,6 +52,9 @@ class IntWeight(QuantizedWeight):
             grouped.copy_(unpack_int4(q, g).view(grouped.shape))
         grouped.mul_(s.to(out.dtype)[..., None])
 
+    def rebuild(self, buffers: dict[str, torch.Tensor]) -> IntWeight:
+        return IntWeight(buffers["qweight"], buffers["scales"], self.bits, self.dtype)
+
 
 def _check_int(name: str, qweight: torch.Tensor, scales: torch.Tensor, bits: int, k: int) -> None:
     want = torch.int8 if bits == 8 else torch.uint8

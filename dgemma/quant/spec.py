@@ -2,7 +2,8 @@
 
 Grammar: `int8` | `int4`, optionally `:GROUP` (columns per scale, default 32), optionally `+emb8` (the tied
 embedding / LM head in int8 instead of the body's scheme) or `+embfp` (kept in the model's float dtype).
-Examples: `int4`, `int4:64`, `int4+emb8`, `int8:128+embfp`.
+Examples: `int4`, `int4:64`, `int4+emb8`, `int8:128+embfp`. `nvfp4` (E2M1 codes, float8 scales per 16, a global
+scale per tensor) keeps the embedding in float unless `+emb8` / `+emb4` asks otherwise.
 """
 
 from __future__ import annotations
@@ -12,18 +13,21 @@ from dataclasses import dataclass
 
 from dgemma.errors import ConfigError
 
-SCHEMES = ("int8", "int4")
-_GRAMMAR = re.compile(r"int(8|4)(?::(\d+))?(?:\+emb(8|4|fp))?")
+SCHEMES = ("int8", "int4", "nvfp4")
+_GRAMMAR = re.compile(r"(?:int(8|4)(?::(\d+))?|(nvfp4))(?:\+emb(8|4|fp))?")
 
 
 @dataclass(frozen=True)
 class QuantSpec:
     bits: int  # 8 or 4: every projection, dense MLP, expert stack and self-conditioning matrix
     group_size: int = 32
-    embedding_bits: int | None = None  # 8, 4, or None: keep the embedding in float
+    embedding_bits: int | None = None  # 8, 4 (integer), or None: keep the embedding in float
+    nvfp4: bool = False  # the body in NVFP4 (bits 4, group 16) instead of integers
 
     @property
     def name(self) -> str:
+        if self.nvfp4:
+            return "nvfp4" + ("" if self.embedding_bits is None else f"+emb{self.embedding_bits}")
         emb = "" if self.embedding_bits == self.bits else f"+emb{self.embedding_bits or 'fp'}"
         group = "" if self.group_size == 32 else f":{self.group_size}"
         return f"int{self.bits}{group}{emb}"
@@ -36,9 +40,11 @@ def parse_quantize(text: str | QuantSpec | None) -> QuantSpec | None:
     m = _GRAMMAR.fullmatch(str(text).strip().lower())
     group = int(m.group(2)) if m and m.group(2) else 32
     if not m or group < 2 or group % 2:
-        raise ConfigError(f"quantize={text!r}: expected int8 or int4, optionally :GROUP (an even number of "
-                          "columns per scale) and +emb8 / +emb4 / +embfp")
+        raise ConfigError(f"quantize={text!r}: expected int8, int4 or nvfp4, optionally :GROUP (int: an even "
+                          "number of columns per scale) and +emb8 / +emb4 / +embfp")
+    emb = m.group(4)
+    if m.group(3):
+        return QuantSpec(4, 16, None if emb in (None, "fp") else int(emb), nvfp4=True)
     bits = int(m.group(1))
-    emb = m.group(3)
     embedding = bits if emb is None else (None if emb == "fp" else int(emb))
     return QuantSpec(bits, group, embedding)

@@ -1,5 +1,6 @@
 """Sampling: per-request parameters, the denoising-step samplers, and stopping rules."""
 
+from dgemma.sampling.constraints import Grammar
 from dgemma.sampling.params import MAX_SEED, Limits, SamplingParams, SamplingParamsError
 from dgemma.sampling.samplers import (
     StepOutput,
@@ -22,6 +23,7 @@ from dgemma.sampling.stopping import (
 )
 
 __all__ = [
+    "Grammar",
     "Limits",
     "MAX_SEED",
     "SamplingParams",

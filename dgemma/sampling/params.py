@@ -6,9 +6,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dgemma.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dgemma.sampling.constraints import Grammar
+    from dgemma.sampling.seeded import Layout
 
 MAX_NEW_TOKENS = 1_000_000
 MAX_DENOISING_STEPS = 10_000
@@ -53,6 +57,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] | None = None  # None: the model's
     ar_temperature: float = 0.0  # autoregressive mode only; 0 is greedy
+    grammar: Grammar | None = None  # the output must match it (sampling/constraints.py)
+    seeded: Layout | None = None  # fixed tokens and holes (sampling/seeded.py); sets max_new_tokens
+    logprobs: int | None = None  # report log-probabilities with this many alternatives (sampling/logprobs.py)
 
     def __post_init__(self) -> None:
         # Normalise containers so the object stays hashable: a bare str / int means a 1-tuple.
@@ -63,6 +70,8 @@ class SamplingParams:
         eos = self.eos_token_ids
         if eos is not None and not isinstance(eos, tuple):
             object.__setattr__(self, "eos_token_ids", (eos,) if _is_int(eos) else tuple(eos))
+        if self.seeded is not None and hasattr(self.seeded, "tokens"):
+            object.__setattr__(self, "max_new_tokens", max(1, len(self.seeded.tokens)))
         self._check()
 
     def _check(self) -> None:
@@ -82,11 +91,27 @@ class SamplingParams:
             _fail(f"stop={self.stop!r} must be non-empty strings", "stop")
         if self.eos_token_ids is not None and not all(_is_int(i) and i >= 0 for i in self.eos_token_ids):
             _fail(f"eos_token_ids={self.eos_token_ids!r} must be non-negative integers", "eos_token_ids")
+        if self.grammar is not None:
+            if not callable(getattr(self.grammar, "check", None)):
+                _fail("grammar must be a dgemma.Grammar (Grammar.json_schema(...), .regex(...), ...)", "grammar")
+            self.grammar.check()
+        if self.logprobs is not None:
+            _int_in("logprobs", self.logprobs, 0, 20)
+            if self.seeded is not None:
+                _fail("logprobs with a suffix, template or edit are not supported", "logprobs")
+        if self.seeded is not None:
+            if not callable(getattr(self.seeded, "check", None)):
+                _fail("seeded must be a dgemma.sampling.seeded.Layout", "seeded")
+            self.seeded.check()
+            if self.grammar is not None:
+                _fail("a grammar and a seeded canvas (suffix, template, edit) cannot be combined", self.seeded.param)
 
     def validate(self, vocab_size: int | None = None, max_context: int | None = None, prompt_len: int = 0,
                  limits: Limits = Limits()) -> None:
         """Checks that need the model or the deployment: eos ids inside the vocabulary, prompt + output inside
         the context, and the deployment's caps."""
+        if self.seeded is not None:
+            self.seeded.check(vocab_size)
         if vocab_size is not None and self.eos_token_ids and max(self.eos_token_ids) >= vocab_size:
             _fail(f"eos_token_ids={self.eos_token_ids!r} outside the vocabulary (size {vocab_size})", "eos_token_ids")
         _cap("prompt", prompt_len, limits.max_prompt_tokens, "the prompt has {} tokens; at most {} are allowed")
@@ -94,6 +119,9 @@ class SamplingParams:
         _cap("stop", len(self.stop), limits.max_stop, "{} stop strings; at most {} are allowed")
         for s in self.stop:
             _cap("stop", len(s), limits.max_stop_chars, "a stop string has {} characters; at most {} are allowed")
+        if max_context is not None and prompt_len >= max_context:
+            _fail(f"the prompt has {prompt_len} tokens; the context ({max_context} tokens) leaves no room for "
+                  "new ones", "prompt")
         if max_context is not None and prompt_len + self.max_new_tokens > max_context:
             _fail(f"prompt ({prompt_len} tokens) + max_new_tokens ({self.max_new_tokens}) exceeds the context "
                   f"({max_context} tokens)", "max_new_tokens")

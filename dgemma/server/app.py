@@ -11,12 +11,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.routing import APIRoute
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from dgemma import __version__
 from dgemma.api import Model
-from dgemma.server import errors, security
+from dgemma.server import errors, playground, security
 from dgemma.server.config import ServerConfig
 from dgemma.server.protocol import (
     ChatCompletionRequest,
@@ -32,6 +33,7 @@ from dgemma.server.protocol import (
 from dgemma.server.service import Generation, Service
 
 DONE = b"data: [DONE]\n\n"
+LARGE_BODY = 64 << 10  # bytes from which a body is parsed off the event loop
 _ERRORS = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown model",
            413: "request body too large", 429: "at capacity: retry later", 503: "loading or shutting down"}
 
@@ -63,9 +65,10 @@ def create_app(config: ServerConfig, loader: Callable[[], Model],
     errors.install(app)
     security.install(app, config)
     keys = security.ApiKeys(config.api_keys)
-    api = APIRouter(dependencies=[Depends(keys.dependency())] if keys else [])
+    api = APIRouter(dependencies=[Depends(keys.dependency())] if keys else [], route_class=OffLoopJson)
     _routes(api, service)
     app.include_router(api)
+    playground.install(app)
 
     @app.get("/health", response_model=None, responses=_responses(Health, 503))
     async def health() -> Any:
@@ -78,13 +81,32 @@ def create_app(config: ServerConfig, loader: Callable[[], Model],
     return app
 
 
+class OffLoopJson(APIRoute):
+    """Parses large JSON bodies in a worker thread (FastAPI would parse them on the event loop, where a 4 MB body
+    costs tens of milliseconds of every other client's time); FastAPI then finds the parsed body cached."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            body = await request.body()
+            if len(body) > LARGE_BODY:
+                try:
+                    request._json = await asyncio.to_thread(json.loads, body)
+                except ValueError:
+                    pass  # FastAPI parses it again and reports the error
+            return await handler(request)
+
+        return route
+
+
 def _routes(api: APIRouter, service: Service) -> None:
     name = service.config.model_name
 
     def card() -> dict[str, Any]:
         context = service.model.max_context if service.model is not None else None
         return {"id": name, "object": "model", "created": service.created, "owned_by": "dgemma",
-                "max_model_len": context}
+                "max_model_len": context, "dgemma_defaults": service.defaults()}
 
     @api.get("/v1/models", response_model=None, responses=_responses(ModelList, 401))
     async def list_models() -> Any:
@@ -130,9 +152,7 @@ def _metrics_route(api: APIRouter, service: Service) -> None:
 async def _respond(gen: Generation, body: Any, request: Request, chat: bool) -> Response:
     ignored = {"X-Dgemma-Ignored-Fields": ", ".join(body.ignored_fields())} if body.ignored_fields() else {}
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = Chunks(chat, gen.id, gen.created, gen.service.config.model_name, include_usage)
-        return EventStream(_events(gen, chunks), on_close=gen.close, headers=ignored)
+        return await _stream(gen, body, request, chat, ignored)
     try:
         results = await _unless_disconnected(request, gen.collect())
     finally:
@@ -140,25 +160,58 @@ async def _respond(gen: Generation, body: Any, request: Request, chat: bool) -> 
     if results is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     choices = []
-    for i, (text, reason) in enumerate(results):
+    for i, (text, reason, entries) in enumerate(results):
+        logprobs = None if entries is None else body.format_logprobs(entries, gen.service.model.token_bytes, 0)
         if chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                             "finish_reason": reason})
         else:
-            choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": reason})
+            choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason})
     return JSONResponse({"id": gen.id, "object": "chat.completion" if chat else "text_completion",
                          "created": gen.created, "model": gen.service.config.model_name, "choices": choices,
                          "usage": gen.usage()}, headers=ignored)
 
 
-async def _events(gen: Generation, chunks: Chunks) -> AsyncIterator[bytes]:
+async def _stream(gen: Generation, body: Any, request: Request, chat: bool, headers: dict[str, str]) -> Response:
+    """The response starts when a choice enters the batch (or the first output, whatever it is), so that a
+    request refused while queued (--max-queue-seconds) still gets a plain 503 status."""
+    outputs = gen.outputs()
+    try:
+        first = await _unless_disconnected(request, anext(outputs, None))
+        if first is None:
+            gen.close()
+            return Response(status_code=499)  # the client is gone (or nothing came: it was closed)
+        if first.kind == "error" and gen.n == 1:
+            raise first.error
+    except BaseException:
+        gen.close()
+        raise
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    chunks = Chunks(chat, gen.id, gen.created, gen.service.config.model_name, include_usage)
+    return EventStream(_events(gen, chunks, _chain(first, outputs), body), on_close=gen.close, headers=headers)
+
+
+async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    yield first
+    async for item in rest:
+        yield item
+
+
+async def _events(gen: Generation, chunks: Chunks, outputs: AsyncIterator[Any], body: Any) -> AsyncIterator[bytes]:
     """Role chunks, then committed text per canvas (and drafts when asked), a finish chunk per choice, the
     usage chunk when asked, then [DONE]. An error mid-stream sends an error object, then [DONE]."""
     if chunks.chat:
         for i in range(gen.n):
             yield _data(chunks.choice(i, role=True))
-    async for out in gen.outputs():
-        if out.kind == "text":
+    shown = [0] * gen.n  # characters sent per choice (completions' text_offset)
+    async for out in outputs:
+        if out.kind == "start":
+            continue
+        if out.kind == "text" and out.logprobs is not None:
+            logprobs = body.format_logprobs(out.logprobs, gen.service.model.token_bytes, shown[out.index])
+            shown[out.index] += len(out.text)
+            yield _data(chunks.choice(out.index, out.text, logprobs=logprobs))
+        elif out.kind == "text":
             yield _data(chunks.choice(out.index, out.text))
         elif out.kind == "draft":
             yield _data(chunks.choice(out.index, dgemma_draft=out.draft))

@@ -39,12 +39,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request body cap (default 4 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to "
                    "finish after SIGTERM before they are aborted (default 30)")
+    _add_time_arguments(p)
     p.add_argument("--cors-origin", action="append", default=[], help="allow browser calls from this origin "
                    "(repeatable; default: CORS off)")
     p.add_argument("--allowed-host", action="append", default=[], help="Host header to accept besides the "
                    "loopback names (repeatable; on a loopback bind others are refused)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-access-log", action="store_true", help="do not log each request")
+
+
+def _add_time_arguments(p: argparse.ArgumentParser) -> None:
+    """Deadlines and connection limits: what keeps one client from holding the others up."""
+    p.add_argument("--max-queue-seconds", type=float, help="a request not in the batch after this long is "
+                   "answered 503 with Retry-After (default: no limit)")
+    p.add_argument("--request-timeout", type=float, help="seconds a request may run from arrival to its last "
+                   "token; later it is aborted with 408 (default: no limit; requests may ask less with "
+                   "dgemma_timeout)")
+    p.add_argument("--header-timeout", type=float, default=10.0, help="seconds a client has to send a complete "
+                   "request header, from connecting or from the previous response (default 10)")
+    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds a client has to send the whole "
+                   "request body (default 30)")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0, help="an idle keep-alive connection is "
+                   "closed after this many seconds (default 5)")
+    p.add_argument("--max-connections", type=int, default=512, help="open connections; more are answered 503 "
+                   "and closed (default 512)")
+    p.add_argument("--tokenizer-threads", type=int, default=2, help="prompts tokenized at once, in threads off "
+                   "the event loop (default 2)")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -54,14 +74,16 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_concurrency=args.max_concurrency, max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
         max_tokens=args.max_tokens, max_n=args.max_n, max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
         max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
-        cors_origins=tuple(args.cors_origin), allowed_hosts=tuple(args.allowed_host), mode=args.mode)
+        cors_origins=tuple(args.cors_origin), allowed_hosts=tuple(args.allowed_host), mode=args.mode,
+        tokenizer_threads=args.tokenizer_threads, max_queue_seconds=args.max_queue_seconds,
+        request_timeout=args.request_timeout, header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+        keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections)
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from dgemma.server.app import create_app
-    from dgemma.server.security import MAX_HEADER_BYTES, RedactQuery
+    from dgemma.server.connections import uvicorn_config
+    from dgemma.server.security import RedactQuery
 
     config = config_from_args(args)
     _check_model(args.model)
@@ -80,13 +102,12 @@ def run(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     app = create_app(config, lambda: load_model_from_args(args), on_fatal)
-    uv = uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log, http="h11",
-                        lifespan="on", server_header=False, h11_max_incomplete_event_size=MAX_HEADER_BYTES * 2,
+    uv = uvicorn_config(app, config, log_level=args.log_level, access_log=not args.no_access_log,
                         timeout_graceful_shutdown=int(config.shutdown_timeout) + 5)
     logging.getLogger("uvicorn.access").addFilter(RedactQuery())
-    server = _uvicorn_server(uv, on_signal=app.state.service.begin_drain)
+    server = _uvicorn_server(uv, app.state.service)
     host, port = sock.getsockname()[:2]
-    log.info("serving %s on http://%s:%d (API key %s)", config.model_name, _url_host(host), port,
+    log.info("serving %s on http://%s:%d (API key %s; playground at /)", config.model_name, _url_host(host), port,
              "required" if config.api_keys else "not required")
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
     try:  # uvicorn re-raises a caught signal after its graceful shutdown; these no-ops make that a clean exit
@@ -100,15 +121,34 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _uvicorn_server(config, on_signal):
-    """A uvicorn.Server whose first SIGTERM/SIGINT also starts the drain (refuse new work, deadline for the rest)."""
+def _uvicorn_server(config, service):
+    """A uvicorn.Server whose first SIGTERM/SIGINT starts a drain: stop listening, answer 503 to requests on
+    open connections, give in-flight ones --shutdown-timeout, then shut down. A second signal stops at once."""
+    import asyncio
+
     import uvicorn
 
     class Server(uvicorn.Server):
+        draining = False
+
+        async def startup(self, sockets=None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+
         def handle_exit(self, sig, frame) -> None:
-            if not self.should_exit:
-                on_signal()
-            super().handle_exit(sig, frame)
+            if self.draining or self.should_exit or not hasattr(self, "loop"):
+                return super().handle_exit(sig, frame)
+            self.draining = True
+            service.begin_drain()
+            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._drain()))
+
+        async def _drain(self) -> None:
+            for listener in self.servers:
+                listener.close()
+            deadline = self.loop.time() + service.config.shutdown_timeout + 2
+            while service.in_use and self.loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            self.should_exit = True
 
     return Server(config)
 

@@ -29,9 +29,17 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = ()  # empty: no CORS headers at all
     allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides the loopback names (loopback binds only)
     mode: str = "diffusion"  # or "autoregressive": the encoder as a next-token model
+    tokenizer_threads: int = 2  # prompts tokenized / templated at once, off the event loop
+    max_queue_seconds: float | None = None  # admitted requests not in the batch after this long: 503
+    request_timeout: float | None = None  # the longest a request may run (arrival to last token); None: no cap
+    header_timeout: float = 10.0  # seconds from connecting (or from the last response) to a complete header
+    body_timeout: float = 30.0  # seconds to receive a request's whole body
+    keep_alive_timeout: float = 5.0  # an idle keep-alive connection is closed after this long
+    max_connections: int = 512  # open connections; more are answered 503 and closed
 
     def __post_init__(self) -> None:
-        for name in ("max_concurrency", "max_n", "max_stop", "max_stop_chars", "max_body_bytes"):
+        for name in ("max_concurrency", "max_n", "max_stop", "max_stop_chars", "max_body_bytes", "tokenizer_threads",
+                     "max_connections"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
         for name in ("max_queue",):
@@ -44,6 +52,9 @@ class ServerConfig:
             raise ConfigError(f"--max-n ({self.max_n}) exceeds --max-concurrency + --max-queue ({self.capacity})")
         if self.shutdown_timeout < 0:
             raise ConfigError("--shutdown-timeout must be >= 0")
+        for name in ("max_queue_seconds", "request_timeout", "header_timeout", "body_timeout", "keep_alive_timeout"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
         if any(not k for k in self.api_keys):
             raise ConfigError("--api-key must not be empty")
         if self.mode not in MODES:

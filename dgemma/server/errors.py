@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException
 log = logging.getLogger("dgemma.server")
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-         404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+         404: "invalid_request_error", 405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
          431: "invalid_request_error",
          429: "rate_limit_error", 500: "server_error", 503: "service_unavailable_error"}
 
@@ -96,7 +96,8 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
         message = "the request body is too large"
     else:
         message = str(exc.detail)
-    return ApiError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
+    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+    return ApiError(exc.status_code, message, code=code, headers=getattr(exc, "headers", None)).response()
 
 
 async def _server_fault(request: Request, exc: Exception) -> JSONResponse:

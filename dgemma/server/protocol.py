@@ -9,6 +9,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
 
+from dgemma.sampling import Grammar, SamplingParamsError
+
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
@@ -43,12 +45,34 @@ Prompt = Annotated[Text | list[Text] | TokenIds | list[TokenIds], _one_of(
 Stop = Annotated[Text | list[Text], _one_of("must be a string or a list of strings")]
 
 
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", errors="replace")
+
+
+def _best_first(top: dict[str, float]) -> dict[str, float]:
+    """Alternatives by text, best first; tokens with the same text (pieces of characters) keep the best value
+    (the dict was built worst first, so the best overwrote the rest)."""
+    return dict(sorted(top.items(), key=lambda kv: -kv[1]))
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
 
 class StreamOptions(_Strict):
     include_usage: bool = Field(False, description="send a last chunk with usage and empty choices")
+
+
+class DgemmaSampling(_Strict):
+    """dgemma extension: the denoising options OpenAI has no field for (SamplingParams checks the ranges)."""
+
+    max_denoising_steps: int | None = Field(None, description="most denoising steps per canvas")
+    entropy_bound: float | None = Field(None, description="entropy budget of the positions one step accepts")
+    t_min: float | None = Field(None, description="temperature at the last step (instead of `temperature`)")
+    t_max: float | None = Field(None, description="temperature at the first step (instead of `temperature`)")
+
+    def overrides(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
 class OpenAIRequest(_Strict):
@@ -72,9 +96,16 @@ class OpenAIRequest(_Strict):
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="only 0 is supported")
     logit_bias: dict[str, float] | None = Field(None, description="only an empty map is supported")
     user: Text | None = None
+    dgemma_timeout: float | None = Field(None, gt=0, description=(
+        "dgemma extension: seconds from arrival after which the request is aborted (408, or an error chunk when "
+        "streaming) and its batch row freed; capped by the server's --request-timeout"))
     dgemma_drafts: bool = Field(False, description=(
         "dgemma extension (stream only): also send each denoising step's draft canvas per choice, as chunks "
-        "with an empty delta and a `dgemma_draft` field that standard clients ignore"))
+        "with an empty delta and a `dgemma_draft` field that standard clients ignore: the canvas's `token_ids`, "
+        "`text`, each position's own text (`tokens`) and whether the step accepted it (`accepted`)"))
+    dgemma_sampling: DgemmaSampling | None = Field(None, description=(
+        "dgemma extension: denoising steps, entropy bound and the temperature schedule; omitted fields keep the "
+        "checkpoint's (GET /v1/models shows them)"))
 
     def unsupported(self) -> tuple[str, str] | None:
         """The first field that asks for a feature this server does not have: (param, what)."""
@@ -85,6 +116,21 @@ class OpenAIRequest(_Strict):
         if self.logit_bias:
             return "logit_bias", "logit bias"
         return None
+
+    def grammar(self) -> Grammar | None:
+        """The grammar the output must match (chat's response_format); None: free text."""
+        return None
+
+    def seeded(self) -> dict[str, str]:
+        """Seeded-canvas options for `Model.params` (a completion's suffix)."""
+        return {}
+
+    def logprob_count(self) -> int | None:
+        """Alternatives per token for `SamplingParams.logprobs`; None: no logprobs."""
+        return None
+
+    def format_logprobs(self, entries: list, token_bytes: Any, offset: int) -> dict[str, Any]:
+        raise NotImplementedError
 
     def ignored_fields(self) -> list[str]:
         """Names of the ignored fields, as safe header text: plain names (at most 16), then "+N others"."""
@@ -98,18 +144,30 @@ class CompletionRequest(OpenAIRequest):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1)
-    suffix: Text | None = None
+    suffix: Text | None = Field(None, description=(
+        "infill: the text after the completion, held fixed in the canvas while the text between prompt and suffix "
+        "(at most max_tokens tokens) is generated; the response holds that middle text"))
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.echo:
             return "echo", "echo"
-        if self.logprobs is not None:
-            return "logprobs", "logprobs"
         if self.best_of not in (None, 1):
             return "best_of", "best_of > 1"
-        if self.suffix:
-            return "suffix", "suffix"
         return super().unsupported()
+
+    def seeded(self) -> dict[str, str]:
+        return {"suffix": self.suffix} if self.suffix else {}
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+    def format_logprobs(self, entries: list, token_bytes: Any, offset: int) -> dict[str, Any]:
+        """The legacy completions shape; `offset`: characters of this choice's text before these tokens."""
+        tokens = [_text(token_bytes(t)) for t, _, _ in entries]
+        offsets = [offset + sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries], "text_offset": offsets,
+                "top_logprobs": [_best_first({_text(token_bytes(a)): v for a, v in reversed(alts)})
+                                 for _, _, alts in entries]}
 
 
 class TextPart(_Strict):
@@ -148,15 +206,42 @@ class ChatCompletionRequest(OpenAIRequest):
     web_search_options: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs or self.top_logprobs:
-            return "logprobs", "logprobs"
         if self.tools:
             return "tools", "tool calling"
         if self.tool_choice not in (None, "none", "auto"):
             return "tool_choice", "tool calling"
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format", "structured output"
         return self._unsupported_extras() or super().unsupported()
+
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise SamplingParamsError("top_logprobs needs logprobs=true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def format_logprobs(self, entries: list, token_bytes: Any, offset: int) -> dict[str, Any]:
+        """The chat shape: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+        def item(t: int, lp: float) -> dict[str, Any]:
+            raw = token_bytes(t)
+            return {"token": _text(raw), "logprob": lp, "bytes": list(raw)}
+
+        return {"content": [item(t, lp) | {"top_logprobs": [item(a, v) for a, v in alts]}
+                            for t, lp, alts in entries]}
+
+    def grammar(self) -> Grammar | None:
+        """response_format -> Grammar: {"type": "json_object"}, or {"type": "json_schema", "json_schema":
+        {"name": ..., "schema": {...}, "strict": ...}}; "text" or none: free text."""
+        fmt, param = self.response_format, "response_format"
+        kind = None if fmt is None else fmt.get("type")
+        if kind in (None, "text"):
+            return None
+        if kind == "json_object":
+            return Grammar.json_object(param)
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise SamplingParamsError('response_format json_schema needs {"json_schema": {"name": ..., '
+                                          '"schema": {...}}}', param)
+            return Grammar.json_schema(spec["schema"], param)
+        raise SamplingParamsError(f"response_format type {kind!r} must be text, json_object or json_schema", param)
 
     def _unsupported_extras(self) -> tuple[str, str] | None:
         asks = {
@@ -186,7 +271,7 @@ class Usage(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: FinishReason | None
 
 
@@ -207,7 +292,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: FinishReason
 
 
@@ -220,12 +305,24 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class SamplingDefaults(BaseModel):
+    """What a request gets when it leaves a field out (dgemma extension of the model card)."""
+
+    max_tokens: int
+    max_denoising_steps: int
+    entropy_bound: float
+    t_min: float
+    t_max: float
+    canvas_length: int
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
     max_model_len: int | None = None
+    dgemma_defaults: SamplingDefaults | None = None
 
 
 class ModelList(BaseModel):

@@ -98,10 +98,22 @@ class SizeLimits:
         await self.app(scope, limited, send)
 
 
+class Cors(CORSMiddleware):
+    """Starlette's CORS, with a refused preflight answered by an OpenAI error object instead of plain text."""
+
+    def preflight_response(self, request_headers):
+        response = super().preflight_response(request_headers)
+        if response.status_code == 200:
+            return response
+        headers = {k: v for k, v in response.headers.items() if k.lower().startswith("access-control-")}
+        message = response.body.decode(errors="replace").replace("Disallowed CORS", "CORS preflight refused:")
+        return ApiError(400, message, code="cors_refused", headers=headers).response()
+
+
 def install(app: FastAPI, config: ServerConfig) -> None:
     """Middleware, innermost first: CORS (only when origins are configured), size caps, Host check."""
     if config.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_credentials=False,
+        app.add_middleware(Cors, allow_origins=list(config.cors_origins), allow_credentials=False,
                            allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"])
     app.add_middleware(SizeLimits, max_bytes=config.max_body_bytes)
     if config.loopback or config.allowed_hosts:

@@ -46,7 +46,8 @@ class Plan:
 
 @dataclass
 class Output:
-    """What a route turns into a chunk: "text" (a committed delta), "draft", "finish", or "error"."""
+    """What a route turns into a chunk: "start" (the choice entered the batch; no chunk), "text" (a committed
+    delta), "draft", "finish", or "error"."""
 
     kind: str
     index: int
@@ -54,6 +55,7 @@ class Output:
     finish_reason: str | None = None
     draft: dict[str, Any] | None = None
     error: ApiError | None = None
+    logprobs: list | None = None  # "text": entries of the committed ids (sampling/logprobs.py), when asked
 
 
 class Service:
@@ -68,6 +70,7 @@ class Service:
         self.state = "loading"  # loading -> ready -> draining; or failed
         self.failure: str | None = None
         self.in_use = 0  # admitted choices (running + queued)
+        self._tokenizing = asyncio.Semaphore(config.tokenizer_threads)
 
     # ---- life cycle -----------------------------------------------------------------------------------------
     def start_loading(self) -> None:
@@ -137,6 +140,9 @@ class Service:
             raise bad_request("stream_options needs stream=true", "stream_options")
         if body.dgemma_drafts and not body.stream:
             raise bad_request("dgemma_drafts needs stream=true", "dgemma_drafts")
+        if body.temperature is not None and {"t_min", "t_max"} & _overrides(body).keys():
+            raise bad_request("temperature and dgemma_sampling.t_min / t_max both set the schedule; send one",
+                              "dgemma_sampling")
         choices = body.n * len(prompts)
         if choices > self.config.max_n:
             raise bad_request(f"n x prompts = {choices} choices; this server allows at most {self.config.max_n} "
@@ -145,7 +151,7 @@ class Service:
         try:
             plans, prompt_tokens = await self._plan(body, prompts, param)
             return Generation(self, f"{id_prefix}-{uuid.uuid4().hex}", plans, prompt_tokens, body.dgemma_drafts,
-                              lease, t_arrival)
+                              lease, t_arrival, body.dgemma_timeout)
         except BaseException:
             lease.release()
             raise
@@ -164,10 +170,14 @@ class Service:
         plans, prompt_tokens = [], 0
         tokens_param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
         names = {"prompt": param, "max_new_tokens": tokens_param}
+        names |= {k: f"dgemma_sampling.{k}" for k in _overrides(body)}
+        limit = self.model.prompt_limit(self.config.limits)
         for prompt in prompts:
             try:
-                ids = await asyncio.to_thread(self.model.encode_prompt, prompt)
-                plans += [Plan(ids, p) for p in self._choice_params(body, ids)]
+                async with self._tokenizing:  # a bounded number of worker threads; the loop never tokenizes
+                    ids = await asyncio.to_thread(self.model.encode_prompt, prompt, limit)
+                    params = await asyncio.to_thread(self._choice_params, body, ids)  # may compile a grammar
+                plans += [Plan(ids, p) for p in params]
             except SamplingParamsError as e:  # max_new_tokens is named as the client named it
                 message = str(e).replace("max_new_tokens", tokens_param)
                 raise bad_request(message, names.get(e.param, e.param)) from None
@@ -185,11 +195,34 @@ class Service:
         new = requested or min(model.defaults.max_new_tokens, room, self.config.max_tokens or room)
         greedy = body.temperature is not None and body.temperature < GREEDY_T
         base = 0 if body.seed is None and greedy else body.seed
-        first = model.params(max_new_tokens=new, seed=base, stop=_stops(body.stop), **schedule(body.temperature))
-        model.check_request(ids, first, self.config.limits)
+        first = model.params(max_new_tokens=new, seed=base, stop=_stops(body.stop), grammar=body.grammar(),
+                             logprobs=body.logprob_count(), **schedule(body.temperature), **_overrides(body),
+                             **body.seeded())
+        model.check_request(ids, first, self.config.limits, self.config.mode)
         if base is None:
             return [first] * body.n
         return [first] + [first.replace(seed=(base + i) % (MAX_SEED + 1)) for i in range(1, body.n)]
+
+    def defaults(self) -> dict[str, Any] | None:
+        """What a request gets for the sampling fields it leaves out (None until the model is loaded)."""
+        if self.model is None:
+            return None
+        d = self.model.defaults
+        return {"max_tokens": min(d.max_new_tokens, self.config.max_tokens or d.max_new_tokens),
+                "max_denoising_steps": d.max_denoising_steps, "entropy_bound": d.entropy_bound, "t_min": d.t_min,
+                "t_max": d.t_max, "canvas_length": self.model.module.cfg.canvas_length}
+
+
+def _overrides(body: OpenAIRequest) -> dict[str, Any]:
+    """The dgemma_sampling fields set; temperatures in [0, GREEDY_T / 2) count as GREEDY_T / 2, the floor
+    `schedule` gives `temperature` (sampling is greedy there; 1 / T stays finite). Negative ones stay refused."""
+    out, floor = body.dgemma_sampling.overrides() if body.dgemma_sampling is not None else {}, GREEDY_T / 2
+    return out | {k: floor for k, v in out.items() if k in ("t_min", "t_max") and 0 <= v < floor}
+
+
+def _earliest(*timeouts: float | None) -> float | None:
+    return min((t for t in timeouts if t is not None), default=None)
+
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop or ())
@@ -225,7 +258,7 @@ class Generation:
     and gives back the admission lease (idempotent; routes call it when the response ends for any reason)."""
 
     def __init__(self, service: Service, id: str, plans: list[Plan], prompt_tokens: int, drafts: bool,
-                 lease: Lease, t_arrival: float):
+                 lease: Lease, t_arrival: float, timeout: float | None = None):
         self.service, self.id, self.lease = service, id, lease
         self.prompt_tokens = prompt_tokens
         self.created = int(time.time())
@@ -233,11 +266,14 @@ class Generation:
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         sink = Sink(asyncio.get_running_loop(), self.queue)
         self.choices: dict[str, _Choice] = {}
+        self.timeout = _earliest(timeout, service.config.request_timeout)
+        deadlines = [t_arrival + t if t is not None else None for t in (service.config.max_queue_seconds,
+                                                                           self.timeout)]
         jobs = []
         for i, plan in enumerate(plans):
             rid = f"{id}-{i}"
             self.choices[rid] = _Choice(i, rid, OutputStream(service.model.tokenizer, plan.params.stop))
-            jobs.append(Job(rid, plan.ids, plan.params, drafts, sink, self.t_arrival))
+            jobs.append(Job(rid, plan.ids, plan.params, drafts, sink, self.t_arrival, *deadlines))
         service.metrics.admitted(sum(len(p.ids) for p in plans))
         service.worker.submit(jobs)
 
@@ -257,22 +293,29 @@ class Generation:
             choice = self.choices.get(event.request_id)
             if choice is None or choice.finish_reason is not None:
                 continue
+            if event.kind == "start":
+                yield Output("start", choice.index)
+                continue
             for out in self._on_event(choice, event):
                 open_choices -= out.kind in ("finish", "error")
                 yield out
 
-    async def collect(self) -> list[tuple[str, str]]:
-        """Non-streaming: (text, finish_reason) per choice, in order; raises the first error."""
+    async def collect(self) -> list[tuple[str, str, list | None]]:
+        """Non-streaming: (text, finish_reason, logprob entries or None) per choice, in order; raises the first
+        error."""
         texts: list[list[str]] = [[] for _ in range(self.n)]
         reasons: list[str] = [""] * self.n
+        entries: list[list | None] = [None] * self.n
         async for out in self.outputs():
             if out.kind == "error":
                 raise out.error
             if out.kind == "text":
                 texts[out.index].append(out.text)
+                if out.logprobs is not None:
+                    entries[out.index] = (entries[out.index] or []) + out.logprobs
             elif out.kind == "finish":
                 reasons[out.index] = out.finish_reason
-        return [("".join(t), r) for t, r in zip(texts, reasons)]
+        return [("".join(t), r, e) for t, r, e in zip(texts, reasons, entries)]
 
     def close(self) -> None:
         unfinished = [c for c in self.choices.values() if c.finish_reason is None]
@@ -289,21 +332,30 @@ class Generation:
 
     def _output(self, c: _Choice, item: StreamEvent) -> Output | None:
         if item.kind == "draft":
-            draft = {"canvas": item.canvas, "step": item.step, "text": item.text, "token_ids": item.token_ids}
+            draft = {"canvas": item.canvas, "step": item.step, "text": item.text, "token_ids": item.token_ids,
+                     "tokens": item.pieces, "accepted": item.accepted}
             return Output("draft", c.index, draft=draft)
         if item.kind == "text":
             if c.t_first is None and item.token_ids:
                 c.t_first, c.first_tokens = time.perf_counter(), len(item.token_ids)
-            return Output("text", c.index, item.text) if item.text else None
+            return Output("text", c.index, item.text, logprobs=item.logprobs) if item.text or item.logprobs else None
         if c.output.stopped and c.finish_reason == "stop":
             self.service.worker.abort([c.request_id])  # harmless when the engine already finished it
         self._record(c)
         if item.finish_reason in ("stop", "length"):
             return Output("finish", c.index, finish_reason=item.finish_reason)
-        error = (ApiError(503, "the server is shutting down; the request was aborted", code="shutting_down")
-                 if item.finish_reason == "abort" else ApiError(500, "the engine failed while generating",
-                                                                code="engine_error"))
-        return Output("error", c.index, error=error)
+        return Output("error", c.index, error=self._error(item.finish_reason, c.tokens))
+
+    def _error(self, reason: str, tokens: int) -> ApiError:
+        if reason == "abort":
+            return ApiError(503, "the server is shutting down; the request was aborted", code="shutting_down")
+        if reason == "queue_timeout":
+            return ApiError(503, f"the request waited {self.service.config.max_queue_seconds:g} s for a batch row "
+                            "(--max-queue-seconds); retry later", code="queue_timeout", headers={"Retry-After": "1"})
+        if reason == "deadline":
+            return ApiError(408, f"the request's deadline ({self.timeout:g} s) passed after {tokens} tokens; it was "
+                            "aborted", "dgemma_timeout", code="deadline_exceeded")
+        return ApiError(500, "the engine failed while generating", code="engine_error")
 
     def _record(self, c: _Choice) -> None:
         now = time.perf_counter()

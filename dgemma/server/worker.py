@@ -35,6 +35,8 @@ class Job:
     drafts: bool
     sink: Sink
     t_submit: float
+    queue_deadline: float | None = None  # perf_counter time: not in the batch by then -> "queue_timeout"
+    deadline: float | None = None  # perf_counter time: not finished by then -> "deadline"
 
 
 class Worker:
@@ -43,8 +45,9 @@ class Worker:
         self.engine = make_engine()
         self.metrics = metrics
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, Sink] = {}
+        self._jobs: dict[str, Job] = {}
         self._requests: dict[str, Request] = {}
+        self._unstarted: set[str] = set()  # requests not yet in the batch: told "start" when they are
         self._deadline: float | None = None  # while draining: abort whatever still runs after this time
         self._thread = threading.Thread(target=self._run, name="dgemma-engine", daemon=True)
         self.running = 0  # published after each step for /metrics
@@ -98,8 +101,10 @@ class Worker:
         if self._deadline is not None and time.perf_counter() >= self._deadline and self._requests:
             log.warning("shutdown timeout: aborting %d request(s) still in flight", len(self._requests))
             self._fail_all("abort")
+        self._expire()
         if self.engine.has_work():
             self._step()
+            self._tell_started()
         self.running, self.waiting = self.engine.num_running, len(self.engine.waiting)
         return True
 
@@ -122,7 +127,8 @@ class Worker:
                 continue
             req.stats.t_arrival = job.t_submit  # queue time counts from the hand-over, not from this drain
             self._requests[job.request_id] = req
-            self._sinks[job.request_id] = job.sink
+            self._jobs[job.request_id] = job
+            self._unstarted.add(job.request_id)
 
     def _abort(self, request_ids: list[str]) -> None:
         """The client is gone or a stop string was seen: the caller already knows, so nothing is sent back."""
@@ -142,24 +148,41 @@ class Worker:
             return
         if self.engine.num_running:
             self.metrics.engine_step(self.engine.num_running)
-        self._deliver([(self._sinks[e.request_id], e) for e in events if e.request_id in self._sinks])
+        self._deliver([(self._jobs[e.request_id].sink, e) for e in events if e.request_id in self._jobs])
         for e in events:
             if e.kind == "finish" and e.request_id in self._requests:
                 self._retire(e.request_id)
 
     def _fail_all(self, reason: str, touch_engine: bool = True) -> None:
         """Abort every request and tell its client why ("abort": shutting down, "error": the engine failed)."""
+        self._end(list(self._requests), reason, touch_engine)
+
+    def _end(self, request_ids: list[str], reason: str, touch_engine: bool = True) -> None:
         out = []
-        for rid in list(self._requests):
+        for rid in request_ids:
             if touch_engine:
                 self.engine.abort(rid)
-            out.append((self._sinks[rid], Event(rid, "finish", finish_reason=reason)))
+            out.append((self._jobs[rid].sink, Event(rid, "finish", finish_reason=reason)))
             self._retire(rid)
         self._deliver(out)
 
+    def _expire(self) -> None:
+        """End requests past their deadlines: still queued after `queue_deadline`, unfinished after `deadline`."""
+        now = time.perf_counter()
+        queued = [rid for rid in self._unstarted if _past(self._jobs[rid].queue_deadline, now)]
+        self._end(queued, "queue_timeout")
+        late = [rid for rid, job in self._jobs.items() if _past(job.deadline, now)]
+        self._end(late, "deadline")
+
+    def _tell_started(self) -> None:
+        started = [rid for rid in self._unstarted if self._requests[rid].stats.t_start is not None]
+        self._unstarted.difference_update(started)
+        self._deliver([(self._jobs[rid].sink, Event(rid, "start")) for rid in started])
+
     def _retire(self, rid: str) -> None:
         req = self._requests.pop(rid)
-        self._sinks.pop(rid, None)
+        self._jobs.pop(rid, None)
+        self._unstarted.discard(rid)
         s, d = req.stats, req.stats.to_dict(len(req.output))
         self.metrics.engine_request_done(d["queue_seconds"] if s.t_start is not None else None,
                                          list(s.steps_per_canvas),
@@ -175,6 +198,10 @@ class Worker:
                 loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
+
+
+def _past(deadline: float | None, now: float) -> bool:
+    return deadline is not None and now >= deadline
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, Event]]) -> None:

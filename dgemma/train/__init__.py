@@ -2,7 +2,8 @@
 
 data.py (examples, canvases, batches), objective.py (corruption, canvas choice, self-conditioning, losses),
 lora.py (peft adapters), checkpoint.py (resumable states, HF-layout export), trainer.py (the loop),
-config.py (TrainConfig), command.py (`dgemma train`).
+distributed.py (device, process group, FSDP / data parallel under torchrun), recompute.py (activation
+checkpointing), config.py (TrainConfig), command.py (`dgemma train`).
 """
 
 __all__ = ["ObjectiveConfig", "TrainConfig", "Trainer", "compute_losses", "make_config", "train"]

@@ -41,6 +41,10 @@ _FLAGS = {
     "--seed": ("seed", int, "seed of the initialisation, data order and noise"),
     "--device": ("device", str, "torch device (cpu, cuda)"),
     "--threads": ("threads", int, "CPU threads (1 is fastest on a busy 2-core machine)"),
+    "--quantize": ("quantize", str, "with --lora (QLoRA): quantize the frozen base while loading: int8 or int4"),
+    "--parallel": ("parallel", str, "under torchrun: fsdp (shard weights, gradients and optimizer; default) or ddp "
+                   "(whole model on every rank, gradients averaged: LoRA with a base that fits)"),
+    "--backend": ("backend", str, "under torchrun: auto (nccl on cuda, gloo on cpu), gloo or nccl"),
 }
 
 
@@ -50,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, (_, kind, help_) in _FLAGS.items():
         parser.add_argument(flag, type=kind, default=None, help=help_)
     parser.add_argument("--lora", action="store_true", default=None, help="train a LoRA adapter instead of all weights")
+    parser.add_argument("--activation-checkpointing", action="store_true", default=None,
+                        help="rerun each layer in backward instead of keeping its activations (less memory)")
     parser.add_argument("--lora-targets", default=None,
                         help="comma-separated: attention, mlp, experts, router, self_conditioning, or module names")
     parser.add_argument("--no-resume", action="store_true", help="ignore checkpoints already in --out")
@@ -71,6 +77,8 @@ def _config_values(args: argparse.Namespace) -> dict:
             values[name] = value
     if args.lora:
         values["lora"] = True
+    if args.activation_checkpointing:
+        values["activation_checkpointing"] = True
     if args.lora_targets:
         values["lora_targets"] = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
     if args.no_resume:
@@ -82,11 +90,13 @@ def run(args: argparse.Namespace) -> int:
     if args.merge_adapter:
         return run_merge(args)
     from dgemma.train.config import make_config
+    from dgemma.train.distributed import launch_environment
     from dgemma.train.trainer import train
 
     cfg = make_config(_config_values(args))
     final = train(cfg, progress=not args.no_progress)
-    print(json.dumps({"final": str(final), "out": cfg.out}))
+    if launch_environment()[0] == 0:  # under torchrun, one rank reports
+        print(json.dumps({"final": str(final), "out": cfg.out}))
     return 0
 
 

@@ -19,6 +19,8 @@ LORA_GROUPS = {
     "self_conditioning": ["self_conditioning.gate_proj", "self_conditioning.up_proj",
                           "self_conditioning.down_proj"],
 }
+PARALLEL = ("fsdp", "ddp")  # how torchrun's ranks share the model (train/distributed.py)
+BACKENDS = ("auto", "gloo", "nccl")
 
 
 @dataclass
@@ -54,6 +56,7 @@ class TrainConfig:
     lora_r: int = 16
     lora_alpha: int = 32
     lora_targets: list[str] = field(default_factory=lambda: ["attention", "mlp"])
+    quantize: str | None = None  # QLoRA: the frozen base quantized on load (int8 | int4, see dgemma.quant.spec)
     # bookkeeping
     out: str = "runs/train"
     seed: int = 0
@@ -69,6 +72,10 @@ class TrainConfig:
     save_dtype: str = "float32"  # dtype of the exported checkpoint
     generation: dict[str, Any] = field(default_factory=dict)  # generation_config.json overrides
     resume: bool = True
+    # many devices (under torchrun; train/distributed.py) and activation memory
+    parallel: str = "fsdp"  # fsdp: shard weights, gradients, optimizer | ddp: replicate (LoRA with a base that fits)
+    backend: str = "auto"  # auto: nccl on cuda, gloo on cpu
+    activation_checkpointing: bool = False  # rerun each layer in backward instead of keeping its activations
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
@@ -83,6 +90,15 @@ class TrainConfig:
             raise ConfigError("training from scratch needs tokenizer (a directory with tokenizer.json)")
         if self.lora and self.model is None:
             raise ConfigError("lora needs model (the checkpoint the adapter is trained on and merged into)")
+        if self.quantize is not None:
+            from dgemma.quant.spec import parse_quantize
+
+            parse_quantize(self.quantize)
+            if not self.lora:
+                raise ConfigError("quantize needs lora: a quantized base is frozen, only adapters train (QLoRA)")
+            if any(t == "experts" or t.startswith("experts.") for t in self.lora_targets):
+                raise ConfigError("LoRA on experts needs float expert weights: drop experts from lora_targets "
+                                  "or drop quantize")
         for name in ("steps", "batch_size", "grad_accum", "canvases", "max_prompt", "lora_r", "eval_batches",
                      "keep_checkpoints", "log_every"):
             value = getattr(self, name)
@@ -103,6 +119,9 @@ class TrainConfig:
         if self.precision not in ("auto", *NAMES):
             raise ConfigError(f"precision={self.precision!r} must be one of auto, {', '.join(NAMES)}")
         parse_dtype(self.save_dtype, "save_dtype")
+        if self.parallel not in PARALLEL or self.backend not in BACKENDS:
+            raise ConfigError(f"parallel={self.parallel!r} must be one of {', '.join(PARALLEL)} and "
+                              f"backend={self.backend!r} one of {', '.join(BACKENDS)}")
         if self.ar_weight < 0 or self.clip < 0 or self.weight_decay < 0:
             raise ConfigError("ar_weight, clip and weight_decay must be >= 0")
         from dgemma.train.checkpoint import sampling_params

@@ -10,6 +10,7 @@ Chat: the prompt is the rendered conversation up to the last assistant turn, the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from dataclasses import dataclass
@@ -42,6 +43,16 @@ class Batch:
     @property
     def tokens(self) -> int:
         return int(self.valid.sum())
+
+
+def rows_of_rank(batch: int, rank: int, world: int) -> slice:
+    """Rank `rank` of `world` takes this contiguous stretch of a global batch's rows (sizes differ by at most one)."""
+    return slice(rank * batch // world, (rank + 1) * batch // world)
+
+
+def take_rows(rows, index: slice):
+    """A dataclass of tensors with a leading batch dimension (Batch, objective.Noise), cut to `index`."""
+    return type(rows)(*(getattr(rows, f.name)[index] for f in dataclasses.fields(rows)))
 
 
 def canvases_of(response: list[int], canvas_length: int, eos: int) -> list[int]:

@@ -40,9 +40,10 @@ def apply_lora(model: torch.nn.Module, r: int, alpha: int, modules: list[str], p
     return get_peft_model(model, config)
 
 
-def save_adapter(peft_model, directory: Path, base: str | None) -> None:
+def save_adapter(peft_model, directory: Path, base: str | None, state_dict: dict | None = None) -> None:
+    """`state_dict`: the adapter's weights gathered from sharded ranks (default: the model's own)."""
     peft_model.peft_config["default"].base_model_name_or_path = base
-    peft_model.save_pretrained(str(directory))
+    peft_model.save_pretrained(str(directory), state_dict=state_dict)
 
 
 def merge_adapter(model: torch.nn.Module, adapter_dir: str | Path) -> torch.nn.Module:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dgemma.cache import KVCache
-from dgemma.train.data import Batch
+from dgemma.train.data import Batch, rows_of_rank, take_rows
 
 LOGIT_BUDGET = 2**24  # float32 logits per loss chunk (64 MiB)
 
@@ -74,31 +74,34 @@ def _summed_ce(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(head(hidden), targets, reduction="sum")
 
 
-def cross_entropy(x: torch.Tensor, targets: torch.Tensor, head=None, chunk: int | None = None) -> torch.Tensor:
-    """Mean CE against targets [N]. x [N, V] logits, or [N, H] hidden states mapped by `head`: then `chunk` rows at
-    a time, each chunk's logits recomputed in backward (torch.utils.checkpoint), so no [N, V] tensor is kept."""
+def cross_entropy(x: torch.Tensor, targets: torch.Tensor, head=None, chunk: int | None = None,
+                  norm: float | None = None) -> torch.Tensor:
+    """Mean CE against targets [N] (summed CE / `norm` if given). x [N, V] logits, or [N, H] hidden states mapped by
+    `head`: then `chunk` rows at a time, each chunk's logits recomputed in backward (torch.utils.checkpoint), so no
+    [N, V] tensor is kept."""
     if head is None:
-        return F.cross_entropy(x, targets)
+        return F.cross_entropy(x, targets) if norm is None else F.cross_entropy(x, targets, reduction="sum") / norm
     chunk = chunk or len(targets)
     parts = [checkpoint(_summed_ce, head, h, t, use_reentrant=False, preserve_rng_state=False)
              for h, t in zip(x.split(chunk), targets.split(chunk))]
-    return torch.stack(parts).sum() / len(targets)
+    return torch.stack(parts).sum() / (len(targets) if norm is None else norm)
 
 
 def autoregressive_loss(x: torch.Tensor, ids: torch.Tensor, ar_mask: torch.Tensor, head=None,
-                        chunk: int | None = None) -> torch.Tensor:
+                        chunk: int | None = None, norm: float | None = None) -> torch.Tensor:
     """Mean next-token CE over masked positions: x [B, L, V] logits (or hidden with `head`, see cross_entropy) at
     i predict ids[:, i + 1]."""
     targets = ids[:, 1:][ar_mask[:, :-1]]
     if targets.numel() == 0:
         return x.sum() * 0
-    return cross_entropy(x[:, :-1][ar_mask[:, :-1]], targets, head, chunk)
+    return cross_entropy(x[:, :-1][ar_mask[:, :-1]], targets, head, chunk, norm)
 
 
-def diffusion_loss(x: torch.Tensor, x0: torch.Tensor, head=None, chunk: int | None = None) -> torch.Tensor:
+def diffusion_loss(x: torch.Tensor, x0: torch.Tensor, head=None, chunk: int | None = None,
+                   norm: float | None = None) -> torch.Tensor:
     """Mean CE over every canvas position (corrupted or not, no 1/t weight): x [B, C, V] logits (or hidden with
     `head`), x0 [B, C]."""
-    return cross_entropy(x.reshape(-1, x.shape[-1]), x0.reshape(-1), head, chunk)
+    return cross_entropy(x.reshape(-1, x.shape[-1]), x0.reshape(-1), head, chunk, norm)
 
 
 @torch.no_grad()
@@ -111,34 +114,62 @@ def self_condition_signal(model, hidden: torch.Tensor, use: torch.Tensor, chunk:
     return soft * use[:, None, None].to(soft.dtype)
 
 
-def compute_losses(model, batch: Batch, cfg: ObjectiveConfig, generator: torch.Generator,
-                   autocast: torch.dtype | None = None) -> Losses:
+@dataclass
+class Noise:
+    """One step's random draws for every row of a batch."""
+
+    context: torch.Tensor  # [B] clean tokens before the scored canvas
+    x0: torch.Tensor  # [B, C] the scored canvas, clean
+    noisy: torch.Tensor  # [B, C] the same canvas, corrupted
+    use_sc: torch.Tensor  # [B] bool: pass 2 receives the self-conditioning signal
+
+
+def draw_noise(batch: Batch, cfg: ObjectiveConfig, generator: torch.Generator, canvas_length: int,
+               vocab_size: int) -> Noise:
+    """Noise level, scored canvas, self-conditioning choice and corruption, drawn row-wise in one fixed order."""
     b = batch.ids.shape[0]
-    c = model.cfg.canvas_length
-    vocab = model.cfg.text.vocab_size
-    device = model.device
     t = sample_noise_level(b, cfg.t_eps, generator)
     if cfg.fixed_t is not None:
         t = torch.full_like(t, cfg.fixed_t)
     s = select_canvas(batch.n_canvases, generator)
     use_sc = torch.rand(b, generator=generator) < cfg.self_cond_prob
-    context = batch.prompt_len + s * c
-    x0 = gather_canvas(batch.ids, context, c)
-    noisy = corrupt(x0, t, vocab, generator)
-    ids, valid, ar_mask = batch.ids.to(device), batch.valid.to(device), batch.ar_mask.to(device)
-    x0, noisy, context, use_sc = x0.to(device), noisy.to(device), context.to(device), use_sc.to(device)
+    context = batch.prompt_len + s * canvas_length
+    x0 = gather_canvas(batch.ids, context, canvas_length)
+    return Noise(context, x0, corrupt(x0, t, vocab_size, generator), use_sc)
 
-    chunk = rows_per_chunk(vocab)
+
+def compute_losses(model, batch: Batch, cfg: ObjectiveConfig, generator: torch.Generator,
+                   autocast: torch.dtype | None = None, part: tuple[int, int] | None = None) -> Losses:
+    """The objective on `batch`. With `part` = (rank, world) the batch is the global one: the draws are made for
+    all of it (so they do not depend on the world size), this rank scores its rows (rows_of_rank), and each loss
+    is divided by its global token count / world, so that the mean over ranks of the losses and of their
+    gradients is the one-process value. Canvas and token counts are the global ones."""
+    c = model.cfg.canvas_length
+    device = model.device
+    noise = draw_noise(batch, cfg, generator, c, model.cfg.text.vocab_size)
+    self_condition = bool(noise.use_sc.any())  # one decision for the whole batch: every rank runs the same passes
+    canvas_tokens, ar_tokens = noise.x0.numel(), int(batch.ar_mask[:, :-1].sum())
+    diff_norm = ar_norm = None
+    if part is not None:
+        rows = rows_of_rank(batch.ids.shape[0], *part)
+        batch, noise = take_rows(batch, rows), take_rows(noise, rows)
+        diff_norm, ar_norm = canvas_tokens / part[1], ar_tokens / part[1]
+    ids, valid, ar_mask = batch.ids.to(device), batch.valid.to(device), batch.ar_mask.to(device)
+    x0, noisy = noise.x0.to(device), noise.noisy.to(device)
+    context, use_sc = noise.context.to(device), noise.use_sc.to(device)
+
+    chunk = rows_per_chunk(model.cfg.text.vocab_size)
     amp = torch.autocast(device.type, dtype=autocast) if autocast is not None else nullcontext()
     with amp:
-        cache = KVCache(model.cfg.text, b, ids.shape[1], autocast or model.dtype, device)
+        cache = KVCache(model.cfg.text, ids.shape[0], ids.shape[1], autocast or model.dtype, device)
         hidden = model.encode(ids, cache, valid=valid)
-        ar = autoregressive_loss(hidden, ids, ar_mask, model.head, chunk)
+        ar = autoregressive_loss(hidden, ids, ar_mask, model.head, chunk, ar_norm)
         signal = None
-        if bool(use_sc.any()):
+        if self_condition:
             with torch.no_grad():
                 first = model.denoise(noisy, cache, None, context=context)
             signal = self_condition_signal(model, first, use_sc, chunk)
-        diff = diffusion_loss(model.denoise(noisy, cache, signal, context=context), x0, model.head, chunk)
+        hidden = model.denoise(noisy, cache, signal, context=context)
+        diff = diffusion_loss(hidden, x0, model.head, chunk, diff_norm)
     total = diff + cfg.ar_weight * ar if cfg.ar_weight else diff
-    return Losses(total, float(diff.detach()), float(ar.detach()), x0.numel(), int(ar_mask[:, :-1].sum()))
+    return Losses(total, float(diff.detach()), float(ar.detach()), canvas_tokens, ar_tokens)

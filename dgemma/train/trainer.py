@@ -1,12 +1,13 @@
 """The training loop: full fine-tuning or LoRA, AdamW with warmup + cosine, clipping, accumulation, bf16
 autocast (over float32 master weights, or a bfloat16 frozen LoRA base), periodic held-out loss, exact resume and
-an HF-layout export (LoRA merged on the CPU)."""
+an HF-layout export (LoRA merged on the CPU); in one process or on the ranks of torchrun (distributed.py)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from dgemma.config import ModelConfig
 from dgemma.dtypes import native_bf16, parse_dtype
 from dgemma.errors import DgemmaError
 from dgemma.train import checkpoint as ckpt
+from dgemma.train import distributed
 from dgemma.train.config import TrainConfig
 from dgemma.train.data import Loader, collate, load_dataset
 from dgemma.train.objective import ObjectiveConfig, compute_losses
@@ -64,7 +66,8 @@ class Trainer:
         self.cfg, self.progress = cfg, progress
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.device = torch.device(cfg.device)
+        self.par = distributed.setup(cfg)
+        self.device = self.par.device
         self.out = Path(cfg.out)
         self.model_dir = _checkpoint_dir(cfg.model) if cfg.model else None
         self.tokenizer_dir = Path(cfg.tokenizer) if cfg.tokenizer else self.model_dir
@@ -72,6 +75,11 @@ class Trainer:
         dtype = compute_dtype(cfg.precision, self.device)
         self.amp = dtype if dtype != torch.float32 else None  # bf16 autocast
         self.model, self.peft = self._build_model(dtype)
+        if cfg.activation_checkpointing:
+            from dgemma.train.recompute import enable
+
+            enable(self.model)
+        distributed.spread(self.model, self.par, self.amp)
         self.model_cfg: ModelConfig = self.model.cfg
         self._check_vocab()
         self._load_data()
@@ -92,6 +100,7 @@ class Trainer:
         """Full training keeps float32 master weights; LoRA holds its frozen base in the compute dtype (bf16 halves
         it) and its adapters in float32 (peft's autocast_adapter_dtype)."""
         from dgemma.model import DiffusionGemma
+        from dgemma.quant import parse_quantize
         from dgemma.weights import load_model
 
         cfg = self.cfg
@@ -102,7 +111,8 @@ class Trainer:
             init_weights(model, cfg.init_std)
             model = model.to(self.device)
         else:
-            model = load_model(self.model_dir, dtype=dtype if cfg.lora else torch.float32, device=self.device)
+            model = load_model(self.model_dir, dtype=dtype if cfg.lora else torch.float32, device=self.device,
+                               quantize=parse_quantize(cfg.quantize))
         model.train()
         model.requires_grad_(not cfg.lora)
         peft = None
@@ -124,6 +134,8 @@ class Trainer:
             n = min(len(vdata), cfg.eval_batches * cfg.batch_size)
             self.valid = [collate([vdata.get(j, 0) for j in range(i, min(n, i + cfg.batch_size))], c, self.eos)
                           for i in range(0, n, cfg.batch_size)]
+            # under torchrun every rank scores rows of every batch: a last one with fewer rows than ranks is left out
+            self.valid = [b for b in self.valid if b.ids.shape[0] >= self.par.world]
 
     def _check_vocab(self) -> None:
         vocab = self.model_cfg.text.vocab_size
@@ -146,20 +158,21 @@ class Trainer:
         }
         meta = {"step": self.step, "tokens_seen": self.tokens_seen, "elapsed": self.elapsed,
                 "history": self.history, "config": self.cfg.to_dict()}
-        return ckpt.save_state(self.out / "checkpoints", self.step, self.trainable_state(), extra, meta,
-                               self.cfg.keep_checkpoints)
+        root = self.out / "checkpoints"
+        if self.par.world > 1:
+            state = distributed.training_state(self.model, self.optimizer)
+            return ckpt.save_sharded_state(root, self.step, state, extra, meta, self.cfg.keep_checkpoints, self.par)
+        return ckpt.save_state(root, self.step, self.trainable_state(), extra, meta, self.cfg.keep_checkpoints)
 
     def _restore(self, path: Path) -> None:
         weights, extra, meta = ckpt.load_state(path)
-        params = dict(self.model.named_parameters())
-        missing = [n for n, p in params.items() if p.requires_grad and n not in weights]
-        if missing or any(n not in params or params[n].shape != w.shape for n, w in weights.items()):
-            raise DgemmaError(f"{path}: the saved training state does not fit this model / LoRA setup; "
-                              "use another --out or --no-resume")
-        with torch.no_grad():
-            for n, w in weights.items():
-                params[n].copy_(w)
-        self.optimizer.load_state_dict(extra["optimizer"])
+        ckpt.check_resumable(path, meta, self.cfg.to_dict())
+        if weights is None:
+            state = distributed.training_state(self.model, self.optimizer)
+            ckpt.load_sharded_state(path, state)
+            distributed.load_training_state(self.model, self.optimizer, state)
+        else:
+            self._load_weights(path, weights, extra["optimizer"])
         self.scheduler.load_state_dict(extra["scheduler"])
         self.generator.set_state(extra["generator"])
         torch.set_rng_state(extra["torch_rng"])
@@ -168,6 +181,20 @@ class Trainer:
         self.step, self.tokens_seen = meta["step"], meta["tokens_seen"]
         self.elapsed, self.history = meta["elapsed"], meta["history"]
         log.info("resumed from %s (step %d)", path, self.step)
+
+    def _load_weights(self, path: Path, weights: dict[str, torch.Tensor], optimizer: dict) -> None:
+        """A one-process state: whole trainable weights, the optimizer state by parameter index."""
+        params = dict(self.model.named_parameters())
+        missing = [n for n, p in params.items() if p.requires_grad and n not in weights]
+        if missing or any(n not in params or params[n].shape != w.shape for n, w in weights.items()):
+            raise DgemmaError(f"{path}: the saved training state does not fit this model / LoRA setup; "
+                              "use another --out or --no-resume")
+        if self.par.world > 1:
+            return distributed.load_whole_state(self.model, self.optimizer, weights, optimizer)
+        with torch.no_grad():
+            for n, w in weights.items():
+                params[n].copy_(w)
+        self.optimizer.load_state_dict(optimizer)
 
     # -- training ------------------------------------------------------------------------------------------------
 
@@ -178,12 +205,15 @@ class Trainer:
         tokens = 0
         for _ in range(cfg.grad_accum):
             batch = self.loader.next()
-            losses = compute_losses(self.model, batch, self.objective, self.generator, self.amp)
+            losses = compute_losses(self.model, batch, self.objective, self.generator, self.amp, self.par.part)
             (losses.total / cfg.grad_accum).backward()
             diff += losses.diffusion / cfg.grad_accum
             ar += losses.autoregressive / cfg.grad_accum
             tokens += batch.tokens
+        distributed.average_gradients(self.params, self.par)
         norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.clip) if cfg.clip > 0 else torch.tensor(0.0)
+        norm = distributed.local(norm)
+        diff, ar = self.par.mean([diff, ar])
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
@@ -203,12 +233,14 @@ class Trainer:
         diff = ar = 0.0
         canvas_tokens = ar_tokens = 0
         for batch in self.valid:
-            losses = compute_losses(self.model, batch, self.objective, g, self.amp)
+            losses = compute_losses(self.model, batch, self.objective, g, self.amp, self.par.part)
             diff += losses.diffusion * losses.canvas_tokens
             ar += losses.autoregressive * losses.ar_tokens
             canvas_tokens += losses.canvas_tokens
             ar_tokens += losses.ar_tokens
         self.model.train()
+        distributed.after_eval(self.model)
+        diff, ar = self.par.mean([diff, ar])
         return {"eval_diffusion": diff / canvas_tokens, "eval_ar": ar / max(1, ar_tokens)}
 
     def run(self) -> Path:
@@ -219,10 +251,12 @@ class Trainer:
     def fit(self) -> None:
         from tqdm import tqdm
 
+        main = self.par.main  # one rank writes the log and prints
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "train_config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
-        logfile = (self.out / "log.jsonl").open("a")
-        bar = tqdm(total=self.cfg.steps, initial=self.step, disable=not self.progress, dynamic_ncols=True,
+        if main:
+            (self.out / "train_config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
+        logfile = (self.out / "log.jsonl").open("a") if main else open(os.devnull, "w")
+        bar = tqdm(total=self.cfg.steps, initial=self.step, disable=not (self.progress and main), dynamic_ncols=True,
                    mininterval=1.0, unit="step")
         try:
             self._loop(bar, logfile)
@@ -230,7 +264,8 @@ class Trainer:
             bar.close()
             state = ckpt.latest_state(self.out / "checkpoints")
             where = f"last checkpoint: {state}" if state else "no checkpoint was written yet"
-            print(f"interrupted at step {self.step}; {where} (rerun the same command to resume)")
+            if main:
+                print(f"interrupted at step {self.step}; {where} (rerun the same command to resume)")
             raise
         finally:
             bar.close()
@@ -257,11 +292,14 @@ class Trainer:
             timeout = cfg.max_minutes is not None and self.elapsed >= cfg.max_minutes * 60
             due = (cfg.save_every and self.step % cfg.save_every == 0) or \
                 time.time() - last_save >= cfg.save_minutes * 60
+            if self.par.world > 1:  # clocks differ: a rank that wants to save or stop makes all of them do it
+                due, timeout = (v > 0 for v in self.par.mean([float(due), float(timeout)]))
             if due or timeout or last:
                 self.save()
                 last_save = time.time()
             if timeout:
-                bar.write(f"stopping at step {self.step}: max_minutes={cfg.max_minutes} reached")
+                if self.par.main:
+                    bar.write(f"stopping at step {self.step}: max_minutes={cfg.max_minutes} reached")
                 break
 
     def _evaluate_and_log(self, bar, logfile) -> None:
@@ -270,8 +308,9 @@ class Trainer:
         record = {"step": self.step, "tokens_seen": self.tokens_seen, **ev}
         self.history.append(record)
         self._log(logfile, record)
-        bar.write(f"step {self.step}: held-out diffusion {ev['eval_diffusion']:.4f}, "
-                  f"autoregressive {ev['eval_ar']:.4f}")
+        if self.par.main:
+            bar.write(f"step {self.step}: held-out diffusion {ev['eval_diffusion']:.4f}, "
+                      f"autoregressive {ev['eval_ar']:.4f}")
 
     def _log(self, f, record: dict[str, Any]) -> None:
         f.write(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in record.items()}) + "\n")
@@ -292,6 +331,8 @@ class Trainer:
         from dgemma.train.lora import export_merged, save_adapter
 
         dtype, final = parse_dtype(self.cfg.save_dtype), self.out / "final"
+        if self.par.world > 1:
+            return self._export_gathered(dtype, final)
         if self.peft is None:
             return ckpt.export_model(self.model, final, self.tokenizer_dir, self.generation_config(), dtype)
         tmp = self.out / "adapter.tmp"
@@ -299,6 +340,24 @@ class Trainer:
         ckpt.replace_dir(tmp, self.out / "adapter")
         return export_merged(self.model_dir, self.out / "adapter", final, self.tokenizer_dir,
                              self.generation_config(), dtype)
+
+    def _export_gathered(self, dtype: torch.dtype, final: Path) -> Path:
+        """torchrun: the weights (or the adapter) gathered whole on the main rank, which writes what one process
+        would; the other ranks wait."""
+        from dgemma.train.lora import export_merged, save_adapter
+
+        state = distributed.gathered_state(self.model, trainable_only=self.peft is not None)
+        if self.par.main and self.peft is None:
+            model = distributed.plain_model(self.model_cfg, state)
+            ckpt.export_model(model, final, self.tokenizer_dir, self.generation_config(), dtype)
+        elif self.par.main:
+            tmp = self.out / "adapter.tmp"
+            save_adapter(self.peft, tmp, self.cfg.model, {f"base_model.model.{k}": v for k, v in state.items()})
+            ckpt.replace_dir(tmp, self.out / "adapter")
+            export_merged(self.model_dir, self.out / "adapter", final, self.tokenizer_dir,
+                          self.generation_config(), dtype)
+        self.par.barrier()
+        return final
 
 
 def _optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig):
@@ -328,4 +387,8 @@ def _load_tokenizer(directory: Path):
 
 
 def train(cfg: TrainConfig, progress: bool = True) -> Path:
-    return Trainer(cfg, progress).run()
+    trainer = Trainer(cfg, progress)
+    try:
+        return trainer.run()
+    finally:
+        distributed.close(trainer.par)

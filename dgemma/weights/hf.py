@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import re
+import struct
 from pathlib import Path
 
 import torch
@@ -20,7 +21,9 @@ from dgemma.config import ModelConfig
 from dgemma.errors import CheckpointError, ConfigError
 from dgemma.jsonfile import read_json
 from dgemma.model import DiffusionGemma
-from dgemma.quant import QuantSpec
+from dgemma.quant import QuantizedWeight, QuantSpec
+from dgemma.weights.prequantized import detect, plan
+from dgemma.weights.prequantized import read as read_prequantized
 from dgemma.weights.quantize import bits_for, install, quantize_view
 
 log = logging.getLogger(__name__)
@@ -114,20 +117,11 @@ def load_model(path_or_repo: str | Path, dtype: torch.dtype = torch.float32,
         model = DiffusionGemma(cfg)
     targets = _target_names(model)
     by_ckpt = {checkpoint_name(n): n for n in targets}
-    _check_names(files, by_ckpt)
-    handles: dict[Path, object] = {}
+    sources, consumed = _prequantized(directory, files, by_ckpt, targets, quantize)
+    _check_names({n: f for n, f in files.items() if n not in consumed}, by_ckpt, set(sources))
+    _materialise(model, by_ckpt, targets, files, sources, quantize, dtype, device)
     for ckpt_name, param in by_ckpt.items():
-        if ckpt_name not in files:
-            continue  # a missing encoder layer_scalar; filled below
-        f = handles.setdefault(files[ckpt_name], _open(files[ckpt_name]))
-        if (bits := bits_for(quantize, param)) is not None:
-            _check_shape(param, f.get_slice(ckpt_name).get_shape(), targets[param][0])
-            install(model, param, quantize_view(f.get_slice(ckpt_name), ckpt_name, bits, quantize, dtype, device))
-            continue
-        _assign(model, param, _read(f, ckpt_name, files[ckpt_name], dtype, device), targets[param][0], dtype,
-                device)
-    for ckpt_name, param in by_ckpt.items():
-        if ckpt_name not in files:
+        if ckpt_name not in files and ckpt_name not in sources:
             log.warning("%s missing: the encoder uses the decoder's layer_scalar", ckpt_name)
             shared = model.get_buffer(param.replace("encoder_layer_scalar", "layer_scalar"))
             _assign(model, param, shared.clone(), targets[param][0], dtype, device)
@@ -135,12 +129,83 @@ def load_model(path_or_repo: str | Path, dtype: torch.dtype = torch.float32,
     return model.eval()
 
 
-def _check_names(files: dict[str, Path], by_ckpt: dict[str, str]) -> None:
+def _materialise(model, by_ckpt, targets, files, sources, quantize, dtype, device) -> None:
+    """Every tensor of the checkpoint into the meta model: pre-quantized pieces, quantize-on-load, or plain."""
+    handles: dict[Path, object] = {}
+    direct: dict[Path, DirectReader] = {}
+
+    def get(name: str) -> torch.Tensor:
+        return direct.setdefault(files[name], DirectReader(files[name])).get(name).to(device)
+
+    for ckpt_name, param in by_ckpt.items():
+        if ckpt_name in sources:
+            value = read_prequantized(ckpt_name, sources[ckpt_name], get, files.__contains__, dtype, device)
+            if isinstance(value, QuantizedWeight):
+                _check_shape(param, value.shape, targets[param][0])
+                install(model, param, value)
+            else:
+                _assign(model, param, value, targets[param][0], dtype, device)
+            continue
+        if ckpt_name not in files:
+            continue  # a missing encoder layer_scalar; filled by the caller
+        f = handles.setdefault(files[ckpt_name], _open(files[ckpt_name]))
+        if (bits := bits_for(quantize, param)) is not None:
+            _check_shape(param, f.get_slice(ckpt_name).get_shape(), targets[param][0])
+            install(model, param, quantize_view(f.get_slice(ckpt_name), ckpt_name, bits, quantize, dtype, device))
+            continue
+        _assign(model, param, _read(f, ckpt_name, files[ckpt_name], dtype, device), targets[param][0], dtype,
+                device)
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+class DirectReader:
+    """Tensors of one safetensors file read with plain file reads, not through the memory map: loading a large
+    pre-quantized checkpoint then never counts the file's pages in the process's resident memory."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                n = struct.unpack("<Q", f.read(8))[0]
+                self.header = json.loads(f.read(n))
+        except (OSError, ValueError, struct.error) as e:
+            raise CheckpointError(f"{path.name}: corrupt or truncated safetensors file ({e})") from None
+        self.base = 8 + n
+
+    def get(self, name: str) -> torch.Tensor:
+        info = self.header[name]
+        lo, hi = info["data_offsets"]
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{self.path.name}: tensor {name} has unsupported dtype {info['dtype']}")
+        out = torch.empty(hi - lo, dtype=torch.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(self.base + lo)
+            if f.readinto(out.numpy()) != hi - lo:
+                raise CheckpointError(f"{self.path.name}: truncated tensor {name}")
+        return out.view(dtype).reshape(info["shape"])
+
+
+def _prequantized(directory: Path, files, by_ckpt, targets, quantize) -> tuple[dict[str, list[str]], set[str]]:
+    """Checkpoint tensors stored quantized or as unfused experts: their pieces, and the file tensors they use."""
+    method = detect(directory)
+    if method is None:
+        return {}, set()
+    if quantize is not None:
+        raise CheckpointError(f"{directory.name} is already quantized ({method}); load it without --quantize")
+    return plan(files, {c: tuple(targets[p][0]) for c, p in by_ckpt.items()})
+
+
+def _check_names(files: dict[str, Path], by_ckpt: dict[str, str], provided: set[str] = frozenset()) -> None:
     unexpected = sorted(n for n in files if n not in by_ckpt and not _IGNORED.match(n))
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise CheckpointError(f"unexpected tensor {unexpected[0]}{more} in checkpoint")
-    missing = sorted(n for n in by_ckpt if n not in files and not _ENCODER_SCALAR.match(n))
+    missing = sorted(n for n in by_ckpt if n not in files and n not in provided and not _ENCODER_SCALAR.match(n))
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"missing tensor {missing[0]}{more} in checkpoint")
@@ -149,12 +214,15 @@ def _check_names(files: dict[str, Path], by_ckpt: dict[str, str]) -> None:
 _CONVERT_ROWS_BYTES = 16 << 20
 
 
-def _read(f, name: str, path: Path, dtype: torch.dtype, device) -> torch.Tensor:
-    """The tensor in `dtype` on `device`; converted slice by slice so a dtype change costs ~16 MB, not a copy."""
+def _read(f, name: str, path: Path, dtype: torch.dtype | None, device) -> torch.Tensor:
+    """The tensor in `dtype` (None: as stored) on `device`; converted slice by slice so a dtype change costs ~16 MB,
+    not a copy."""
     try:
         view = f.get_slice(name)
         shape = view.get_shape()
         stored = view.get_dtype()
+        if dtype is None:
+            return f.get_tensor(name).to(device)
         if not shape or (_DTYPES.get(stored) == dtype and device.type == "cpu"):
             return f.get_tensor(name)  # zero-copy on the memory map
         out = torch.empty(shape, dtype=dtype, device=device)
@@ -198,6 +266,9 @@ def _init_derived(model: DiffusionGemma, device) -> None:
 
 def save_model(model: DiffusionGemma, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write config.json and model.safetensors in the layout the reference loads (decoder + encoder scalars)."""
+    if any(isinstance(m, QuantizedWeight) for m in model.modules()):
+        raise CheckpointError("this model holds quantized weights: write it with `dgemma quantize` "
+                              "(weights.compressed.save_compressed), not as a float checkpoint")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {}

@@ -10,7 +10,8 @@ import re
 
 import torch
 
-from dgemma.quant import IntWeight, QuantizedWeight, QuantSpec, int_weight
+from dgemma.quant import QuantizedWeight, QuantSpec, int_weight
+from dgemma.quant.fp import nvfp4_weight
 
 _BODY = re.compile(r"layers\.\d+\.(self_attn\.[qkvo]_proj\.weight|mlp\.(gate|up|down)_proj\.weight"
                    r"|experts\.(gate_up_proj|down_proj))|self_conditioning\.(gate|up|down)_proj\.weight")
@@ -26,10 +27,14 @@ def bits_for(spec: QuantSpec | None, param: str) -> int | None:
     return spec.bits if _BODY.fullmatch(param) else None
 
 
-def quantize_view(view, name: str, bits: int, spec: QuantSpec, dtype: torch.dtype, device) -> IntWeight:
-    """An IntWeight of a safetensors slice `view`, read and quantized a few rows at a time."""
+def quantize_view(view, name: str, bits: int, spec: QuantSpec, dtype: torch.dtype, device) -> QuantizedWeight:
+    """The quantized weight of a safetensors slice `view`, read and quantized a few rows at a time (the embedding
+    of an NVFP4 spec is an integer one)."""
     shape = tuple(view.get_shape())
-    return int_weight(lambda lo, hi: view[lo:hi], shape, bits, spec.group_size, dtype, device, name)
+    if spec.nvfp4 and not name.endswith("embed_tokens.weight"):
+        return nvfp4_weight(lambda lo, hi: view[lo:hi], shape, dtype, device, name)
+    return int_weight(lambda lo, hi: view[lo:hi], shape, bits, 32 if spec.nvfp4 else spec.group_size, dtype,
+                      device, name)
 
 
 def install(model: torch.nn.Module, param: str, weight: QuantizedWeight) -> None:

@@ -1,0 +1,155 @@
+"""Write a random checkpoint with the real DiffusionGemma 26B-A4B shapes directly in int4 (compressed-tensors
+pack-quantized, experts unfused as vLLM expects), never materialising a float weight: random packed codes and
+constant float16 scales of 1 / (4 sqrt(fan_in)).
+
+Shapes (docs/field.md): hidden 2816, 30 layers (5 sliding : 1 full, last full), 16 heads; sliding layers 8 KV heads of
+256, full layers 2 KV heads of 512 (no v_proj); dense MLP 2112 beside 128 experts of 704, top-8; vocabulary 262,144
+(tied embedding, int4 too); canvas 256. Then run `dgemma bench --model OUT --steps N ...` on it.
+
+    python benchmarks/real_shape_int4.py --out /tmp/dg-26b-int4 [--layers 30] [--group 32]
+
+Last stdout line: JSON {path, parameters, bytes, seconds}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dgemma.config import FULL, SLIDING, ModelConfig, TextConfig  # noqa: E402
+from dgemma.weights.compressed import SHARD_BYTES  # noqa: E402
+from build_bench_checkpoint import GENERATION_CONFIG  # noqa: E402
+
+
+def real_config(layers: int) -> ModelConfig:
+    types = tuple(FULL if (i + 1) % 6 == 0 or i == layers - 1 else SLIDING for i in range(layers))
+    text = TextConfig(
+        vocab_size=262_144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=layers,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256, layer_types=types,
+        per_layer={i: {"head_dim": 512, "num_key_value_heads": 2} for i, t in enumerate(types) if t == FULL},
+        sliding_window=1024, num_experts=128, top_k_experts=8, moe_intermediate_size=704,
+        max_position_embeddings=262_144, eos_token_id=(1, 106, 50))
+    return ModelConfig(text=text, canvas_length=256)
+
+
+def shapes(cfg: ModelConfig):
+    """(checkpoint prefix, [N, K], quantized) for every tensor the loader wants, experts unfused."""
+    t, d = cfg.text, "model.decoder."
+    yield f"{d}embed_tokens", (t.vocab_size, t.hidden_size), True
+    for name in ("gate_proj", "up_proj"):
+        yield f"{d}self_conditioning.{name}", (t.intermediate_size, t.hidden_size), True
+    yield f"{d}self_conditioning.down_proj", (t.hidden_size, t.intermediate_size), True
+    yield f"{d}self_conditioning.pre_norm.weight", (t.hidden_size,), False
+    yield f"{d}norm.weight", (t.hidden_size,), False
+    for i in range(t.num_hidden_layers):
+        yield from layer_shapes(cfg, i)
+
+
+def layer_shapes(cfg: ModelConfig, i: int):
+    t, p = cfg.text, f"model.decoder.layers.{i}."
+    spec, h = t.layer(i), t.hidden_size
+    yield f"{p}self_attn.q_proj", (t.num_attention_heads * spec.head_dim, h), True
+    yield f"{p}self_attn.k_proj", (spec.num_kv_heads * spec.head_dim, h), True
+    if spec.sliding:
+        yield f"{p}self_attn.v_proj", (spec.num_kv_heads * spec.head_dim, h), True
+    yield f"{p}self_attn.o_proj", (h, t.num_attention_heads * spec.head_dim), True
+    for norm in ("q_norm", "k_norm"):
+        yield f"{p}self_attn.{norm}.weight", (spec.head_dim,), False
+    yield f"{p}mlp.gate_proj", (t.intermediate_size, h), True
+    yield f"{p}mlp.up_proj", (t.intermediate_size, h), True
+    yield f"{p}mlp.down_proj", (h, t.intermediate_size), True
+    for e in range(t.num_experts):
+        yield f"{p}experts.{e}.gate_proj", (t.moe_intermediate_size, h), True
+        yield f"{p}experts.{e}.up_proj", (t.moe_intermediate_size, h), True
+        yield f"{p}experts.{e}.down_proj", (h, t.moe_intermediate_size), True
+    yield f"{p}router.proj.weight", (t.num_experts, h), False
+    yield f"{p}router.scale", (h,), False
+    yield f"{p}router.per_expert_scale", (t.num_experts,), False
+    for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2",
+                 "pre_feedforward_layernorm_2"):
+        yield f"{p}{norm}.weight", (h,), False
+    yield f"{p}layer_scalar", (1,), False
+    yield f"model.encoder.language_model.layers.{i}.layer_scalar", (1,), False
+
+
+POOL_WORDS = 1 << 24  # 64 MB of random int32 words; tensors take slices at random offsets (drawing each is slow)
+
+
+def tensors_for(prefix: str, shape, quantized: bool, group: int, g: torch.Generator,
+                pool: torch.Tensor) -> dict[str, torch.Tensor]:
+    if not quantized:
+        value = torch.randn(shape, generator=g) / math.sqrt(shape[-1]) if prefix.endswith("router.proj.weight") \
+            else torch.ones(shape)
+        return {prefix: value.to(torch.bfloat16)}
+    n, k = shape
+    words = n * k // 8
+    start = int(torch.randint(0, POOL_WORDS, (1,), generator=g))
+    reps = -(-(start + words) // POOL_WORDS)
+    packed = (pool.repeat(reps) if reps > 1 else pool)[start:start + words].view(n, k // 8).clone()
+    scale = torch.full((n, k // group), 1 / (4 * math.sqrt(k)), dtype=torch.float16)
+    return {f"{prefix}.weight_packed": packed, f"{prefix}.weight_scale": scale,
+            f"{prefix}.weight_shape": torch.tensor([n, k])}
+
+
+def write(out: Path, layers: int, group: int, seed: int) -> dict:
+    cfg = real_config(layers)
+    out.mkdir(parents=True, exist_ok=False)
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randint(-2**31, 2**31 - 1, (POOL_WORDS,), dtype=torch.int32, generator=g)
+    shards, current, size, params = [], {}, 0, 0
+    weight_map = {}
+
+    def flush():
+        nonlocal current, size
+        name = f"model-{len(shards) + 1:05d}.safetensors"
+        save_file(current, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in current})
+        shards.append(name)
+        current, size = {}, 0
+
+    for prefix, shape, quantized in shapes(cfg):
+        params += math.prod(shape)
+        for k, v in tensors_for(prefix, shape, quantized, group, g, pool).items():
+            current[k] = v
+            size += v.numel() * v.element_size()
+        if size >= SHARD_BYTES:
+            flush()
+    flush()
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = cfg.to_hf()
+    config["dtype"] = "bfloat16"
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear", "Embedding"], "format": "pack-quantized",
+                                      "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                  "strategy": "group", "group_size": group}}}}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
+    return {"parameters": params, "bytes": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--group", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    info = write(args.out, args.layers, args.group, args.seed)
+    print(json.dumps({"path": str(args.out), **info, "seconds": round(time.perf_counter() - t0, 1)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Grammar-constrained denoising: request grammars (any JSON object, a JSON schema, a regex, a Lark grammar),
+compiled and checked with llguidance, and the valid-prefix rule on a denoising step.
+
+The rule (per constrained row of a canvas): the canvas holds a *locked* prefix that the grammar has consumed.
+Each step, the frontier position (the first unlocked one) is drawn from grammar-masked logits (its sample is
+kept when the grammar allows it: rejection sampling, so the draw is exactly the masked distribution), then the
+run of entropy-accepted samples after it is locked as far as the grammar allows. Everything after the locked
+prefix is rejected and renoised, so only a grammar-valid prefix is ever accepted. When the row's canvas ends
+(stable and confident, or out of steps), the rest is completed greedily: the draft's token where the grammar
+allows it, else the masked argmax. Whatever the model does, the committed text is a prefix of a sentence of the
+grammar, ended by EOS only where the grammar is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import llguidance
+import numpy as np
+import torch
+from torch import Tensor
+
+from dgemma.sampling.params import SamplingParamsError
+
+KINDS = ("json_object", "json_schema", "regex", "lark")
+# compact JSON: no free whitespace, so a model cannot stall in an endless run of spaces
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a constrained request's output must match. `source`: the schema as JSON text, the regex, or the
+    Lark grammar (llguidance's dialect); `param` names the request field it came from, for errors."""
+
+    kind: str
+    source: str = ""
+    param: str = "grammar"
+
+    @classmethod
+    def json_object(cls, param: str = "grammar") -> Grammar:
+        return cls("json_object", "", param)
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | bool | str, param: str = "grammar") -> Grammar:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise SamplingParamsError(f"the JSON schema is not valid JSON ({e})", param) from None
+        if not isinstance(schema, (dict, bool)):
+            raise SamplingParamsError("a JSON schema is a JSON object (or true / false)", param)
+        return cls("json_schema", json.dumps(schema), param)
+
+    @classmethod
+    def regex(cls, pattern: str, param: str = "grammar") -> Grammar:
+        return cls("regex", pattern, param)
+
+    @classmethod
+    def lark(cls, text: str, param: str = "grammar") -> Grammar:
+        return cls("lark", text, param)
+
+    def check(self) -> None:
+        """Raises SamplingParamsError (naming `param`) when the grammar does not compile."""
+        if self.kind not in KINDS:
+            raise SamplingParamsError(f"grammar kind {self.kind!r} must be one of {', '.join(KINDS)}", self.param)
+        if not isinstance(self.source, str) or (self.kind in ("regex", "lark") and not self.source):
+            raise SamplingParamsError(f"the {self.kind} is empty", self.param)
+        compiled(self)
+
+    def describe(self) -> str:
+        return {"json_object": "a JSON object", "json_schema": "the JSON schema", "regex": "the regex",
+                "lark": "the grammar"}[self.kind]
+
+
+def compiled(g: Grammar) -> str:
+    """llguidance's grammar text for `g`; raises SamplingParamsError with llguidance's reason."""
+    text, error = _compile(g.kind, g.source)
+    if error:
+        raise SamplingParamsError(f"{g.describe()} is invalid or not supported: {error}", g.param)
+    return text
+
+
+@lru_cache(maxsize=256)
+def _compile(kind: str, source: str) -> tuple[str, str]:
+    try:
+        if kind in ("json_object", "json_schema"):
+            schema = {"type": "object"} if kind == "json_object" else json.loads(source)
+            text = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        elif kind == "regex":
+            text = llguidance.LLMatcher.grammar_from_regex(source)
+        else:
+            text = llguidance.LLMatcher.grammar_from_lark(source)
+    except (ValueError, TypeError) as e:
+        return "", _first_line(str(e))
+    return text, _first_line(llguidance.LLMatcher.validate_grammar(text))
+
+
+def _first_line(message: str) -> str:
+    """llguidance's message on one line, without its echo of the grammar and the caret markers."""
+    lines = [x.strip() for x in message.splitlines()]
+    kept = [x for x in lines if x and not re.fullmatch(r"[\^\s]+|\d+ \|.*", x)]
+    line = re.sub(r"^at \d+\(\d+\): ", "", " ".join(kept))
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+class GrammarVocab:
+    """A checkpoint's vocabulary as llguidance sees it (built once per model: about a second for 262K tokens)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: tuple[int, ...]):
+        self.vocab_size = vocab_size
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids) or None)
+        self.own_eos = tuple(self.tokenizer.eos_tokens)
+
+    def matcher(self, g: Grammar, eos: tuple[int, ...]) -> RowGrammar:
+        """A fresh matcher for one request; raises SamplingParamsError when `g` cannot match anything."""
+        m = llguidance.LLMatcher(self.tokenizer, compiled(g), log_level=0)
+        if m.is_error():
+            reason = _first_line(m.get_error())
+            raise SamplingParamsError(f"{g.describe()} is invalid or not supported: {reason}", g.param)
+        if not eos:
+            raise SamplingParamsError("constrained output needs an end-of-sequence token", g.param)
+        row = RowGrammar(m, self, eos)
+        if not row.allowed().any():
+            raise SamplingParamsError(f"{g.describe()} cannot match any text", g.param)
+        return row
+
+
+_lock = threading.Lock()
+
+
+def shared_vocab(owner: Any, tokenizer_json: str, vocab_size: int, eos_ids: tuple[int, ...]) -> GrammarVocab:
+    """The GrammarVocab stored on `owner` (a loaded model), built on first use by whichever thread asks first."""
+    with _lock:
+        if getattr(owner, "_grammar_vocab", None) is None:
+            owner._grammar_vocab = GrammarVocab(tokenizer_json, vocab_size, eos_ids)
+        return owner._grammar_vocab
+
+
+class RowGrammar:
+    """One request's grammar state: the matcher has consumed every committed token and this canvas's locked
+    prefix `locked` (at most `limit` tokens: the canvas, or the request's remaining budget)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab: GrammarVocab, eos: tuple[int, ...]):
+        self.matcher, self.vocab, self.eos = matcher, vocab, tuple(eos)
+        self.stops = set(self.eos) | set(vocab.own_eos)
+        self.locked: list[int] = []
+        self.limit = 0
+        self.ended = False  # an EOS is locked: the grammar is complete
+        self.settled = False  # this canvas's prefix is final and written into the draft
+
+    def start_canvas(self, limit: int) -> None:
+        self.locked, self.limit, self.settled = [], limit, False
+
+    def give_up(self) -> None:
+        """End the row where the grammar allows no token at all (cannot happen with a consistent grammar and
+        tokenizer; kept so that a broken one ends a request instead of hanging it)."""
+        self.locked.append(self.eos[0])
+        self.ended = True
+
+    @property
+    def complete(self) -> bool:
+        """Nothing left to decide on this canvas."""
+        return self.ended or len(self.locked) >= self.limit
+
+    def extend(self, tokens: list[int]) -> int:
+        """Lock the longest prefix of `tokens` the grammar allows (an EOS only where the grammar is complete);
+        returns how many were locked."""
+        tokens = tokens[:self.limit - len(self.locked)]
+        k = next((i for i, t in enumerate(tokens) if t in self.stops), len(tokens))
+        n = self.matcher.try_consume_tokens(tokens[:k]) if k else 0
+        self.locked += tokens[:n]
+        if n == k < len(tokens) and tokens[k] in self.eos and self.matcher.is_accepting():
+            self.locked.append(tokens[k])
+            self.ended, n = True, n + 1
+        return n
+
+    def allowed(self) -> Tensor:
+        """bool [V] on the CPU: the tokens the grammar allows next (the request's EOS ids where it is complete)."""
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        mask = np.unpackbits(bits, bitorder="little")[:self.vocab.vocab_size].astype(bool)
+        mask[list(self.vocab.own_eos)] = False
+        mask[list(self.eos)] = self.matcher.is_accepting()
+        return torch.from_numpy(mask)

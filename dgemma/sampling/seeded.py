@@ -1,0 +1,148 @@
+"""Seeded canvases: an output layout of fixed tokens and holes (infill before a suffix, templates with holes,
+edits of a draft). Fixed positions are frozen in the canvas (the decoder attends to them; they are never
+renoised and count as certain for the stopper); holes are denoised. A hole ends at its first EOS (the rest of
+the hole is dropped from the output), so a hole of n tokens yields at most n. Positions past the layout's end in
+its last canvas are frozen EOS, as the model saw after every answer in training.
+
+Template syntax: `[[hole]]` (DEFAULT_HOLE tokens) or `[[hole:N]]` (at most N tokens); everything else is fixed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dgemma.sampling.params import SamplingParamsError
+from dgemma.sampling.samplers import StepOutput
+
+HOLE = re.compile(r"\[\[hole(?::(\d+))?\]\]")
+DEFAULT_HOLE = 16
+MAX_HOLE = 4096
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The output, position by position: `tokens[i]` is a fixed id, or -1 in a hole; `holes[i]` numbers the hole
+    (-1 at fixed positions). `echo`: fixed tokens are part of the output (templates, edits) or only context
+    (an infill's suffix)."""
+
+    tokens: tuple[int, ...]
+    holes: tuple[int, ...]
+    echo: bool = True
+    param: str = "template"
+
+    @classmethod
+    def from_parts(cls, parts: list[list[int] | int], echo: bool = True, param: str = "template") -> Layout:
+        """parts: fixed id lists and hole lengths, in order."""
+        tokens: list[int] = []
+        holes: list[int] = []
+        for k, part in enumerate(parts):
+            if isinstance(part, int):
+                if not 1 <= part <= MAX_HOLE:
+                    raise SamplingParamsError(f"a hole has {part} tokens; it must have 1 to {MAX_HOLE}", param)
+                tokens += [-1] * part
+                holes += [k] * part
+            else:
+                tokens += part
+                holes += [-1] * len(part)
+        return cls(tuple(tokens), tuple(holes), echo, param)
+
+    def check(self, vocab_size: int | None = None) -> None:
+        if not self.tokens or all(h < 0 for h in self.holes):
+            raise SamplingParamsError("a seeded canvas needs at least one hole", self.param)
+        if vocab_size is not None and any(t >= vocab_size for t in self.tokens):
+            raise SamplingParamsError("a fixed token is outside the vocabulary", self.param)
+
+
+def parse_template(text: str) -> list[str | int]:
+    """A template -> fixed strings and hole lengths, e.g. "a [[hole:3]] b" -> ["a ", 3, " b"]."""
+    parts: list[str | int] = []
+    at = 0
+    for m in HOLE.finditer(text):
+        if m.start() > at:
+            parts.append(text[at:m.start()])
+        parts.append(int(m.group(1)) if m.group(1) else DEFAULT_HOLE)
+        at = m.end()
+    if at < len(text):
+        parts.append(text[at:])
+    if not any(isinstance(p, int) for p in parts):
+        raise SamplingParamsError("the template has no hole ([[hole]] or [[hole:N]])", "template")
+    return parts
+
+
+def edit_parts(ids: list[int], renoised: set[int]) -> list[list[int] | int]:
+    """A draft with some positions renoised -> parts: kept runs fixed, each renoised run one hole."""
+    parts: list[list[int] | int] = []
+    for i, t in enumerate(ids):
+        hole = i in renoised
+        if parts and isinstance(parts[-1], int) == hole:
+            parts[-1] = parts[-1] + 1 if hole else parts[-1] + [t]
+        else:
+            parts.append(1 if hole else [t])
+    return parts
+
+
+class SeedState:
+    """One request's progress through its layout: the output offset of the current canvas, the holes already
+    ended by an EOS, and this canvas's frozen positions."""
+
+    def __init__(self, layout: Layout, eos: tuple[int, ...]):
+        self.layout, self.eos = layout, eos
+        self.offset = 0
+        self.closed: set[int] = set()
+        self.fixed: Tensor | None = None  # [C] bool
+        self.ids: Tensor | None = None  # [C] long
+
+    def start_canvas(self, canvas_length: int, device) -> None:
+        lay, end = self.layout, self.offset + canvas_length
+        ids = [lay.tokens[i] if i < len(lay.tokens) else self.eos[0] for i in range(self.offset, end)]
+        self.fixed = torch.tensor([t >= 0 for t in ids], device=device)
+        self.ids = torch.tensor([max(t, 0) for t in ids], device=device)
+
+    def take(self, canvas: list[int]) -> tuple[list[int], bool]:
+        """A finished canvas -> the ids it adds to the output, and whether the layout is complete."""
+        lay, kept = self.layout, []
+        for j, t in enumerate(canvas[:len(lay.tokens) - self.offset]):
+            hole = lay.holes[self.offset + j]
+            if hole < 0:
+                kept += [t] if lay.echo else []
+            elif hole not in self.closed:
+                if t in self.eos:
+                    self.closed.add(hole)
+                else:
+                    kept.append(t)
+        self.offset += len(canvas)
+        return kept, self.offset >= len(lay.tokens)
+
+    def preview(self, canvas: list[int]) -> list[int]:
+        """What `take` would add, without moving on (drafts)."""
+        offset, closed = self.offset, set(self.closed)
+        kept, _ = self.take(canvas)
+        self.offset, self.closed = offset, closed
+        return kept
+
+
+def seed_step(states: list[SeedState | None], out: StepOutput) -> StepOutput:
+    """Freeze the fixed positions of the seeded rows (in place): their ids in the canvas and the draft, accepted,
+    entropy 0."""
+    rows = [i for i, s in enumerate(states) if s is not None]
+    if rows:
+        fixed = torch.stack([states[i].fixed for i in rows])
+        ids = torch.stack([states[i].ids for i in rows])
+        index = torch.tensor(rows, device=out.canvas.device)
+        out.canvas[index] = torch.where(fixed, ids, out.canvas[index])
+        out.argmax[index] = torch.where(fixed, ids, out.argmax[index])
+        out.accepted[index] = out.accepted[index] | fixed
+        out.entropy[index] = out.entropy[index].masked_fill(fixed, 0.0)
+    return out
+
+
+def seed_canvas(states: list[SeedState | None], tokens: Tensor) -> None:
+    """The first input of a canvas: fixed ids where the layout has them, noise elsewhere (in place)."""
+    for i, s in enumerate(states):
+        if s is not None:
+            s.start_canvas(tokens.shape[1], tokens.device)
+            tokens[i] = torch.where(s.fixed, s.ids, tokens[i])

@@ -1,0 +1,161 @@
+"""One client must not stall the others: huge prompts are refused before tokenizing and tokenizing never runs
+on the event loop; slow, silent and surplus connections are dropped with OpenAI error objects; queue waits and
+request deadlines end requests cleanly and free their places."""
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from server_fixtures import served_checkpoint, start_server, wait_until
+
+C = "/v1/completions"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return served_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    s = start_server(checkpoint, header_timeout=0.6, body_timeout=0.6, keep_alive_timeout=0.4, max_connections=6,
+                     tokenizer_threads=1)
+    yield s
+    s.stop()
+
+
+def _raw(server, data: bytes, wait: float = 5.0) -> bytes:
+    """Send `data` on a fresh connection and read until the server closes it (or `wait` passes)."""
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.settimeout(wait)
+        if data:
+            sock.sendall(data)
+        out = b""
+        try:
+            while chunk := sock.recv(65536):
+                out += chunk
+        except TimeoutError:
+            out += b"<still open>"
+        return out
+
+
+def _error(response: bytes) -> tuple[int, dict]:
+    head, _, body = response.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)["error"]
+
+
+def test_a_huge_prompt_is_refused_before_tokenizing(server, monkeypatch):
+    model = server.service.model
+    calls = []
+    monkeypatch.setattr(model.tokenizer, "encode", lambda *a, **k: calls.append(1) or [5])
+    limit = model.prompt_limit(server.service.config.limits)
+    cap = limit * model.tokenizer.max_token_chars * 2
+    r = httpx.post(server.url + C, json={"prompt": "a" * (cap + 1)})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert f"{cap} characters" in r.json()["error"]["message"] and not calls  # never tokenized
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "a" * cap}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages" and not calls
+    r = httpx.post(server.url + C, json={"prompt": [5] * (limit + 1)})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_tokenizing_is_off_the_loop_and_bounded(server, monkeypatch):
+    """While a tokenization is stuck, /health still answers; with --tokenizer-threads 1, one runs at a time."""
+    tok = server.service.model.tokenizer
+    encode, active, peak, release = tok.encode, [0], [0], threading.Event()
+
+    def stuck(text, *args, **kwargs):
+        active[0] += 1
+        peak[0] = max(peak[0], active[0])
+        release.wait(30)  # a tokenization that takes as long as the test wants (waiting releases the GIL)
+        active[0] -= 1
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tok, "encode", stuck)
+    results = []
+    clients = [threading.Thread(target=lambda: results.append(httpx.post(
+        server.url + C, json={"prompt": "hello", "max_tokens": 1}, timeout=60).status_code)) for _ in range(3)]
+    for t in clients:
+        t.start()
+    assert wait_until(lambda: active[0] == 1, 10)
+    assert httpx.get(server.url + "/health", timeout=20).status_code == 200  # served while tokenizing
+    assert active[0] == 1 and peak[0] == 1  # the others wait for the one tokenizer thread
+    release.set()
+    for t in clients:
+        t.join(60)
+    assert results == [200, 200, 200] and peak[0] == 1
+
+
+def test_prompt_alone_over_the_context_names_the_prompt(server):
+    context = server.service.model.max_context
+    r = httpx.post(server.url + C, json={"prompt": [5] * context})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert r.json()["error"]["message"] == f"the prompt has {context} tokens; at most {context - 1} tokens are allowed"
+
+
+def test_slow_and_silent_connections_are_dropped(server):
+    t0 = time.monotonic()
+    status, error = _error(_raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"))
+    assert status == 408 and error["code"] == "request_timeout" and "header" in error["message"]
+    assert time.monotonic() - t0 < 3
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+    status, error = _error(_raw(server, head + b"Content-Length: 100\r\n\r\n{\"prompt\""))
+    assert status == 408 and "body" in error["message"]
+    assert _raw(server, b"") == b""  # silent: closed without a word after the header timeout
+    with httpx.Client() as client:  # an idle keep-alive connection goes after --keep-alive-timeout
+        assert client.get(server.url + "/health").status_code == 200
+        assert wait_until(lambda: len(server.server.server_state.connections) == 0, 3)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_invalid_http_gets_an_error_object(server):
+    status, error = _error(_raw(server, b"GARBAGE\r\n\r\n"))
+    assert status == 400 and error["code"] == "invalid_http" and error["type"] == "invalid_request_error"
+
+
+def test_connections_over_the_cap_are_refused(server):
+    socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(6)]
+    try:
+        assert wait_until(lambda: len(server.server.server_state.connections) >= 6, 3)
+        status, error = _error(_raw(server, b""))  # answered as soon as it connects
+        assert status == 503 and error["code"] == "too_many_connections"
+    finally:
+        for s in socks:
+            s.close()
+    assert wait_until(lambda: httpx.get(server.url + "/health").status_code == 200, 5)
+
+
+def test_queue_wait_is_bounded(checkpoint):
+    s = start_server(checkpoint, max_concurrency=1, max_queue=4, max_n=2, max_queue_seconds=0.5)
+    try:
+        long = threading.Thread(target=lambda: httpx.post(s.url + C, json={"prompt": "Hi", "max_tokens": 100_000,
+                                                                            "dgemma_timeout": 8}, timeout=30))
+        long.start()
+        assert wait_until(lambda: s.service.worker.running == 1, 30)
+        for stream in (False, True):
+            t0 = time.monotonic()
+            r = httpx.post(s.url + C, json={"prompt": "Hi", "max_tokens": 4, "stream": stream}, timeout=30)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_timeout", r.text
+            assert r.headers["retry-after"] == "1" and 0.4 < time.monotonic() - t0 < 5
+        assert s.service.in_use == 1  # the refused ones gave their places back
+    finally:
+        s.stop()
+
+
+def test_a_request_deadline_aborts_and_frees_the_row(server):
+    t0 = time.monotonic()
+    r = httpx.post(server.url + C, json={"prompt": "Hi", "max_tokens": 100_000, "dgemma_timeout": 0.5}, timeout=30)
+    assert r.status_code == 408 and r.json()["error"]["code"] == "deadline_exceeded"
+    assert r.json()["error"]["param"] == "dgemma_timeout" and time.monotonic() - t0 < 10
+    with httpx.stream("POST", server.url + C, json={"prompt": "Hi", "max_tokens": 100_000, "stream": True,
+                                                    "dgemma_drafts": True, "dgemma_timeout": 1.0}, timeout=30) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "deadline_exceeded"
+    assert any("choices" in json.loads(e) for e in events[:-2])  # it streamed before the deadline
+    assert wait_until(lambda: server.service.in_use == 0 and server.service.worker.running == 0, 5)
+    r = httpx.post(server.url + C, json={"prompt": "Hi", "dgemma_timeout": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "dgemma_timeout"
