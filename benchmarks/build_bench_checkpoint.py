@@ -35,16 +35,17 @@ GENERATION_CONFIG = {
 }
 
 
-def bench_config(hidden: int = 256, layers: int = 4, vocab: int = 262_144, canvas: int = 256) -> ModelConfig:
+def bench_config(hidden: int = 256, layers: int = 4, vocab: int = 262_144, canvas: int = 256, experts: int = 8,
+                 top_k: int = 2) -> ModelConfig:
     """Gemma-4-like proportions scaled down: 5:1 sliding:full pattern (last layer full), larger global heads
-    with fewer kv heads, 8 experts top-2 beside the dense MLP."""
+    with fewer kv heads, 8 experts top-2 (by default) beside the dense MLP."""
     heads = max(2, hidden // 64)
     types = tuple(FULL if (i + 1) % 6 == 0 or i == layers - 1 else SLIDING for i in range(layers))
     text = TextConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=64, layer_types=types,
         per_layer={i: {"head_dim": 128, "num_key_value_heads": 1} for i, t in enumerate(types) if t == FULL},
-        sliding_window=512, num_experts=8, top_k_experts=2, moe_intermediate_size=hidden // 2,
+        sliding_window=512, num_experts=experts, top_k_experts=top_k, moe_intermediate_size=hidden // 2,
         max_position_embeddings=32_768, eos_token_id=(1, 106, 50),
     )
     return ModelConfig(text=text, canvas_length=canvas)
@@ -87,8 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="stored weight dtype")
     p.add_argument("--hidden", type=int, default=256, help="hidden size (256: ~270 MB in float32)")
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--experts", type=int, default=8, help="routed experts per layer")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token")
     args = p.parse_args(argv)
-    info = build(args.out, args.seed, getattr(torch, args.dtype), hidden=args.hidden, layers=args.layers)
+    info = build(args.out, args.seed, getattr(torch, args.dtype), hidden=args.hidden, layers=args.layers,
+                 experts=args.experts, top_k=args.top_k)
     print(f"wrote {info['path']}: {info['parameters'] / 1e6:.1f}M parameters, {info['bytes'] / 1e6:.0f} MB "
           f"({info['dtype']}) in {info['seconds']} s", file=sys.stderr)
     print(json.dumps(info))

@@ -24,7 +24,7 @@ from dgemma.sampling import Limits, SamplingParams, SamplingParamsError
 from dgemma.sampling.constraints import GrammarVocab, shared_vocab
 from dgemma.sampling.seeded import Layout, edit_parts, parse_template
 from dgemma.tokenizer import Tokenizer
-from dgemma.weights import load_model, resolve_checkpoint
+from dgemma.weights import is_gguf, load_gguf_model, load_model, resolve_checkpoint
 
 DEMO_MODEL = Path(__file__).parent / "assets" / "demo"
 
@@ -48,16 +48,19 @@ class Result:
 
 def load(path_or_repo: str | Path | None = None, dtype: str | torch.dtype = "auto",
          device: str | torch.device = "cpu", compile: bool = False, quantize: str | None = None) -> Model:
-    """Load a checkpoint directory or cached Hugging Face repo id (default: the bundled demo model).
+    """Load a checkpoint directory, a cached Hugging Face repo id or a GGUF file of llama.cpp's diffusion-gemma
+    architecture (default: the bundled demo model).
     `compile`: run the denoising pass (the per-step body) through torch.compile; off, nothing changes.
     `quantize`: "int8" | "int4" (see `dgemma.quant.spec` for group sizes and the embedding): weight-only
-    quantization while loading, tensor by tensor from the memory map."""
+    quantization while loading, tensor by tensor from the memory map. A GGUF file keeps its quantized tensors
+    compact without it (see `dgemma.weights.gguf_quant`); with it, they are re-quantized to that scheme."""
     spec = parse_quantize(quantize)
     if path_or_repo is None:
         if not (DEMO_MODEL / "config.json").is_file():
             raise DgemmaError("the bundled demo model is missing from this install; pass --model PATH")
         path_or_repo = DEMO_MODEL
-    directory = resolve_checkpoint(path_or_repo)
+    gguf = is_gguf(path_or_repo)
+    directory = Path(path_or_repo).expanduser() if gguf else resolve_checkpoint(path_or_repo)
     try:
         device = torch.device(device)
         torch.empty(0, device=device)
@@ -65,11 +68,16 @@ def load(path_or_repo: str | Path | None = None, dtype: str | torch.dtype = "aut
         raise DgemmaError(f"device {device!s} is not available ({e})") from None
     if spec is not None and device.type not in QUANT_DEVICES:
         raise DgemmaError(f"quantize={spec.name} runs on {' or '.join(QUANT_DEVICES)}, not on device {device}")
-    module = load_model(directory, _resolve_dtype(dtype, directory, device), device, spec)
+    if gguf:
+        module, tokenizer, generation = load_gguf_model(directory, _resolve_dtype(dtype, directory, device), device,
+                                                        spec)
+    else:
+        module = load_model(directory, _resolve_dtype(dtype, directory, device), device, spec)
+        tokenizer, generation = Tokenizer.maybe_load(directory), read_json(directory / "generation_config.json")
     if compile:
         # dynamic shapes: the cache view grows every canvas; a new batch size compiles once more
         module.denoise = torch.compile(module.denoise, dynamic=True)
-    return Model(module, Tokenizer.maybe_load(directory), directory)
+    return Model(module, tokenizer, directory, generation)
 
 
 QUANT_DEVICES = ("cpu", "cuda")  # where the decode ops (bit shifts on uint8, int8 casts) are known to run
@@ -77,6 +85,8 @@ AUTO_FLOAT32_BYTES = 4 << 30  # "auto" upcasts bf16 checkpoints up to this size 
 
 
 def _resolve_dtype(dtype: str | torch.dtype, directory: Path, device: torch.device) -> torch.dtype:
+    if dtype == "auto" and directory.is_file():  # GGUF: dequantised weights compute in float32 without native bf16
+        return torch.bfloat16 if native_bf16(device.type) else torch.float32
     if dtype == "auto":
         config = read_json(directory / "config.json")  # {} when missing: load_model then says so
         saved = config.get("dtype") or config.get("torch_dtype")
@@ -88,12 +98,14 @@ def _resolve_dtype(dtype: str | torch.dtype, directory: Path, device: torch.devi
 
 
 class Model:
-    def __init__(self, module, tokenizer: Tokenizer | None, directory: Path):
+    def __init__(self, module, tokenizer: Tokenizer | None, directory: Path, generation_config: dict | None = None):
         self.module = module  # the DiffusionGemma torch module
         self.tokenizer = tokenizer
-        self.directory = directory
+        self.directory = directory  # the checkpoint directory, or the GGUF file
         text = module.cfg.text
-        self.defaults = SamplingParams.from_generation_config(read_json(directory / "generation_config.json"))
+        if generation_config is None:
+            generation_config = read_json(directory / "generation_config.json")
+        self.defaults = SamplingParams.from_generation_config(generation_config)
         if self.defaults.eos_token_ids is None:
             self.defaults = self.defaults.replace(eos_token_ids=text.eos_token_id)
         self.pad_id = text.pad_token_id

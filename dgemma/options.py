@@ -12,8 +12,8 @@ SAMPLINGS = ("fast", "reference")
 
 
 def add_model_options(p: argparse.ArgumentParser, dtype_help: str | None = None) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory or cached Hugging Face repo id "
-                   "(default: the bundled demo model)")
+    p.add_argument("--model", default=None, help="checkpoint directory, cached Hugging Face repo id, or GGUF file "
+                   "of llama.cpp's diffusion-gemma (default: the bundled demo model)")
     p.add_argument("--dtype", default="auto", choices=("auto", *NAMES),
                    help=dtype_help or "weight dtype (auto: bfloat16 checkpoints stay bfloat16, else float32)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")

@@ -15,17 +15,31 @@ class Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         try:
-            self.tok = HFTokenizer.from_file(str(directory / "tokenizer.json"))
+            tok = HFTokenizer.from_file(str(directory / "tokenizer.json"))
         except Exception as e:  # the tokenizers library raises plain Exceptions
             raise CheckpointError(f"{directory / 'tokenizer.json'}: cannot load tokenizer ({e})") from None
         config = read_json(directory / "tokenizer_config.json")
         template = config.get("chat_template")
         if template is None and (directory / "chat_template.jinja").is_file():
             template = (directory / "chat_template.jinja").read_text()
-        self.chat_template: str | None = template
-        self.bos_token = _token_text(config.get("bos_token")) or "<bos>"
-        self.eos_token = _token_text(config.get("eos_token")) or "<eos>"
-        self.add_bos = bool(config.get("add_bos_token", True))
+        self._set(tok, template, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")),
+                  bool(config.get("add_bos_token", True)))
+
+    @classmethod
+    def from_parts(cls, tok, chat_template: str | None, bos_token: str | None, eos_token: str | None,
+                   add_bos: bool = True) -> Tokenizer:
+        """From a built `tokenizers.Tokenizer` (a GGUF file's vocabulary, for instance)."""
+        self = cls.__new__(cls)
+        self._set(tok, chat_template, bos_token, eos_token, add_bos)
+        return self
+
+    def _set(self, tok, chat_template: str | None, bos_token: str | None, eos_token: str | None,
+             add_bos: bool) -> None:
+        self.tok = tok
+        self.chat_template: str | None = chat_template
+        self.bos_token = bos_token or "<bos>"
+        self.eos_token = eos_token or "<eos>"
+        self.add_bos = add_bos
         self._pieces: dict[int, str] = {}
 
     @classmethod

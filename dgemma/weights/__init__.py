@@ -1,5 +1,7 @@
-"""Checkpoint loading and saving in the Hugging Face layout."""
+"""Checkpoint loading and saving: the Hugging Face layout, and GGUF files of llama.cpp's diffusion-gemma."""
 
+from dgemma.weights.gguf import is_gguf
+from dgemma.weights.gguf_load import load_gguf_model
 from dgemma.weights.hf import load_model, resolve_checkpoint, save_model
 
-__all__ = ["load_model", "resolve_checkpoint", "save_model"]
+__all__ = ["is_gguf", "load_gguf_model", "load_model", "resolve_checkpoint", "save_model"]
