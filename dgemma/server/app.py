@@ -35,6 +35,7 @@ from dgemma.server.service import Generation, Service
 DONE = b"data: [DONE]\n\n"
 LARGE_BODY = 64 << 10  # bytes from which a body is parsed off the event loop
 _ERRORS = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown model",
+           408: "the request's deadline passed (dgemma_timeout / --request-timeout)",
            413: "request body too large", 429: "at capacity: retry later", 503: "loading or shutting down"}
 
 
@@ -118,7 +119,7 @@ def _routes(api: APIRouter, service: Service) -> None:
         return card()
 
     @api.post("/v1/completions", response_model=None,
-              responses=_responses(CompletionResponse, 400, 401, 404, 413, 429, 503, stream=True))
+              responses=_responses(CompletionResponse, 400, 401, 404, 408, 413, 429, 503, stream=True))
     async def completions(body: CompletionRequest, request: Request) -> Any:
         prompt = body.prompt  # a text or an id list is one prompt ([] too: refused as empty with the others)
         prompts = [prompt] if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else list(prompt)
@@ -126,7 +127,7 @@ def _routes(api: APIRouter, service: Service) -> None:
         return await _respond(generation, body, request, chat=False)
 
     @api.post("/v1/chat/completions", response_model=None,
-              responses=_responses(ChatCompletionResponse, 400, 401, 404, 413, 429, 503, stream=True))
+              responses=_responses(ChatCompletionResponse, 400, 401, 404, 408, 413, 429, 503, stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         generation = await service.generate(body, [body.chat()], "messages", "chatcmpl")
         return await _respond(generation, body, request, chat=True)
