@@ -1,5 +1,6 @@
 """The options commands share, declared once: model loading (`--model`, `--dtype`, `--device`, `--compile`,
-`--quantize`) and the decoding mode; and the names of the decoding modes and samplings (no torch import here: `--help` stays fast)."""
+`--quantize`) and the decoding mode; and the names of the decoding modes and samplings (no torch import
+here: `--help` stays fast)."""
 
 from __future__ import annotations
 

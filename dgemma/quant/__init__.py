@@ -19,5 +19,6 @@ from dgemma.quant.fp import FP8Weight, NVFP4Weight
 from dgemma.quant.intq import DEFAULT_GROUP, IntWeight, int_weight, pack_int4, quantize_tensor, unpack_int4
 from dgemma.quant.spec import SCHEMES, QuantSpec, parse_quantize
 
-__all__ = ["DEFAULT_GROUP", "FP8Weight", "IntWeight", "NVFP4Weight", "join", "QuantSpec", "QuantizedWeight", "SCHEMES", "compute_dtype", "int_weight",
+__all__ = ["DEFAULT_GROUP", "FP8Weight", "IntWeight", "NVFP4Weight", "join", "QuantSpec", "QuantizedWeight", "SCHEMES",
+           "compute_dtype", "int_weight",
            "pack_int4", "parse_quantize", "quantize_tensor", "summary", "unpack_int4"]

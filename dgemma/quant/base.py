@@ -140,7 +140,8 @@ class QuantizedWeight(nn.Module):
 
 
 def join(parts: list[QuantizedWeight], stack: bool = False) -> QuantizedWeight:
-    """Concatenate weights of one format along their rows (gate + up -> gate_up) or stack them (experts -> [E, N, K])."""
+    """Concatenate weights of one format along their rows (gate + up -> gate_up) or stack them
+    (experts -> [E, N, K])."""
     first = parts[0]
     if any(type(p) is not type(first) or p.group_size != first.group_size for p in parts):
         raise ValueError(f"cannot join weights of different formats: {sorted({p.extra_repr() for p in parts})}")

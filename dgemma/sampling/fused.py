@@ -126,8 +126,8 @@ class _Running:
             self.sample[rows] = _inverse_cdf(p[rows], u_pick[rows], chunk_mass[rows]) + lo
 
 
-def vocab_step(hidden: Tensor, embedding: Tensor | QuantizedWeight, softcap: float, embed_scale: float, inv_temp: Tensor,
-               uniforms: Tensor, want_signal: bool = True, sync_free: bool | None = None,
+def vocab_step(hidden: Tensor, embedding: Tensor | QuantizedWeight, softcap: float, embed_scale: float,
+               inv_temp: Tensor, uniforms: Tensor, want_signal: bool = True, sync_free: bool | None = None,
                chunk: int | None = None) -> VocabStep:
     """hidden [N, H] (final-normed), embedding [V, H], inv_temp [N], uniforms [N, num_uniforms(V, chunk)] in
     [0, 1); chunk defaults to `vocab_chunk(device)`.

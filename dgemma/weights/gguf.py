@@ -199,7 +199,8 @@ class GGUFFile:
         step = max(1, (8 << 20) // max(1, flat_in.shape[1]))
         for lo in range(0, flat_in.shape[0], step):
             block = dequantize(flat_in[lo:lo + step], GGMLQuantizationType(t.type_id))
-            flat_out[lo:lo + step] = torch.from_numpy(np.require(block, requirements="CW")).to(device=device, dtype=dtype)
+            block = torch.from_numpy(np.require(block, requirements="CW"))
+            flat_out[lo:lo + step] = block.to(device=device, dtype=dtype)
         return out
 
     def check_tensors(self, params: list[str]) -> dict[str, list[str]]:

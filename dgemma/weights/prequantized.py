@@ -136,7 +136,8 @@ def _rows(scale: torch.Tensor, shape: torch.Size, name: str) -> torch.Tensor:
         block = -(-n // scale.shape[0])
         return scale.repeat_interleave(block, dim=0)[:n].contiguous()
     if scale.dim() != 2 or k % scale.shape[-1]:
-        raise CheckpointError(f"{name}: scale of shape {list(scale.shape)} does not fit a weight of shape {list(shape)}")
+        raise CheckpointError(f"{name}: scale of shape {list(scale.shape)} does not fit a weight of shape "
+                              f"{list(shape)}")
     return scale
 
 
