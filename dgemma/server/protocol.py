@@ -10,6 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic_core import PydanticCustomError
 
 from dgemma.sampling import Grammar, SamplingParamsError
+from dgemma.server import tools as tool_calls
 
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
@@ -179,11 +180,15 @@ Content = Annotated[Text | list[TextPart], _one_of("must be a string or a list o
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Content
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Content | None = None
     name: Text | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="an assistant message's earlier calls")
+    tool_call_id: Text | None = Field(None, description="a tool message: the call it answers")
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
@@ -206,11 +211,25 @@ class ChatCompletionRequest(OpenAIRequest):
     web_search_options: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools", "tool calling"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", "tool calling"
         return self._unsupported_extras() or super().unsupported()
+
+    def tool_mode(self) -> tuple[str, list[dict[str, Any]]]:
+        """("none" | "auto" | "required", the callable tools); raises SamplingParamsError naming the field."""
+        mode, tools = tool_calls.choose(tool_calls.check_tools(self.tools or []), self.tool_choice)
+        if mode != "none" and self.response_format not in (None, {"type": "text"}):
+            raise SamplingParamsError("response_format and tools both constrain the reply; send one (or "
+                                      'tool_choice "none")', "response_format")
+        if mode != "none" and self.logprobs:
+            raise SamplingParamsError("logprobs are not supported with tools", "logprobs")
+        return mode, tools
+
+    def reply(self, text: str, reason: str) -> tuple[dict[str, Any], str]:
+        """The assistant message and finish reason of a finished choice: a whole call becomes `tool_calls`."""
+        mode, tools = self.tool_mode()
+        call = tool_calls.parse_call(text, tools) if mode != "none" and reason == "stop" else None
+        if call is None:
+            return {"role": "assistant", "content": text}, reason
+        return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
 
     def logprob_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -229,6 +248,9 @@ class ChatCompletionRequest(OpenAIRequest):
     def grammar(self) -> Grammar | None:
         """response_format -> Grammar: {"type": "json_object"}, or {"type": "json_schema", "json_schema":
         {"name": ..., "schema": {...}, "strict": ...}}; "text" or none: free text."""
+        mode, tools = self.tool_mode()
+        if mode != "none":
+            return tool_calls.grammar(mode, tools)
         fmt, param = self.response_format, "response_format"
         kind = None if fmt is None else fmt.get("type")
         if kind in (None, "text"):
@@ -254,12 +276,32 @@ class ChatCompletionRequest(OpenAIRequest):
         return next(((name, name.replace("_", " ")) for name, asked in asks.items() if asked), None)
 
     def chat(self) -> list[dict[str, str]]:
-        """Messages for the chat template; "developer" is the newer name of "system"."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        """Messages for the chat template; "developer" is the newer name of "system". With tools, a system block
+        describes them (merged into a leading system message); earlier calls are written as the model is asked
+        to write them, and tool results become user messages (docs/structured.md)."""
+        mode, tools = self.tool_mode()
+        names = {c.get("id"): (c.get("function") or {}).get("name") for m in self.messages for c in m.tool_calls or ()}
+        out = []
+        for m in self.messages:
+            text = m.text()
+            if m.role == "tool":
+                out.append({"role": "user", "content": tool_calls.render_result(names.get(m.tool_call_id),
+                                                                                m.tool_call_id or "?", text)})
+                continue
+            if m.tool_calls:
+                text = "\n".join([text] * bool(text) + [tool_calls.render_call(c) for c in m.tool_calls])
+            out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+        if mode != "none":
+            block = tool_calls.system_block(mode, tools)
+            if out[0]["role"] == "system":
+                out[0]["content"] = block + "\n\n" + out[0]["content"]
+            else:
+                out.insert(0, {"role": "system", "content": block})
+        return out
 
 
 # ---- responses (documentation and tests; the routes build plain dicts) ---------------------------------------
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class Usage(BaseModel):
@@ -286,7 +328,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -355,9 +398,13 @@ class Chunks:
                      "created": created, "model": model}
 
     def choice(self, index: int, text: str | None = None, finish_reason: str | None = None, role: bool = False,
-               **extra: Any) -> dict[str, Any]:
+               message: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+        """`message`: a whole reply held back until its end (tool calls), sent as one delta."""
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            if message is not None:
+                delta = ({"tool_calls": [{"index": i} | c for i, c in enumerate(message["tool_calls"])]}
+                         if message.get("tool_calls") else {"content": message["content"]})
             item = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             item = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
