@@ -105,3 +105,12 @@ def test_bad_tools_are_400s_naming_the_field(client, kwargs, param, words):
         client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, **kwargs)
     error = e.value.body
     assert error["param"] == param and words in error["message"], error
+
+
+def test_auto_is_a_call_or_plain_text(client):
+    r = client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, max_tokens=60, seed=7, n=4)
+    for choice in r.choices:
+        if choice.finish_reason == "tool_calls":
+            _check_call(choice.message.tool_calls[0])
+        else:
+            assert choice.message.tool_calls is None and not choice.message.content.startswith("{")
