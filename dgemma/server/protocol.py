@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator,
+                      field_validator)
 from pydantic_core import PydanticCustomError
 
 from dgemma.sampling import Grammar, SamplingParamsError
@@ -181,10 +182,17 @@ Content = Annotated[Text | list[TextPart], _one_of("must be a string or a list o
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Content | None = None
-    name: Text | None = None
     tool_calls: list[dict[str, Any]] | None = Field(None, description="an assistant message's earlier calls")
-    tool_call_id: Text | None = Field(None, description="a tool message: the call it answers")
+    content: Content | None = Field(None, validate_default=True, description="null only with tool_calls")
+    name: Text | None = None
+    tool_call_id: Text | None = Field(None, validate_default=True, description="a tool message: the call it answers")
+
+    @field_validator("content", "tool_call_id")
+    @classmethod
+    def _needed(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None and (why := tool_calls.missing(info.field_name, info.data)):
+            raise PydanticCustomError("missing", why)
+        return value
 
     def text(self) -> str:
         if self.content is None:
@@ -215,21 +223,11 @@ class ChatCompletionRequest(OpenAIRequest):
 
     def tool_mode(self) -> tuple[str, list[dict[str, Any]]]:
         """("none" | "auto" | "required", the callable tools); raises SamplingParamsError naming the field."""
-        mode, tools = tool_calls.choose(tool_calls.check_tools(self.tools or []), self.tool_choice)
-        if mode != "none" and self.response_format not in (None, {"type": "text"}):
-            raise SamplingParamsError("response_format and tools both constrain the reply; send one (or "
-                                      'tool_choice "none")', "response_format")
-        if mode != "none" and self.logprobs:
-            raise SamplingParamsError("logprobs are not supported with tools", "logprobs")
-        return mode, tools
+        return tool_calls.mode(self.tools or [], self.tool_choice, self.response_format, self.logprobs)
 
     def reply(self, text: str, reason: str) -> tuple[dict[str, Any], str]:
         """The assistant message and finish reason of a finished choice: a whole call becomes `tool_calls`."""
-        mode, tools = self.tool_mode()
-        call = tool_calls.parse_call(text, tools) if mode != "none" and reason == "stop" else None
-        if call is None:
-            return {"role": "assistant", "content": text}, reason
-        return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+        return tool_calls.reply(text, reason, *self.tool_mode())
 
     def logprob_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -276,28 +274,10 @@ class ChatCompletionRequest(OpenAIRequest):
         return next(((name, name.replace("_", " ")) for name, asked in asks.items() if asked), None)
 
     def chat(self) -> list[dict[str, str]]:
-        """Messages for the chat template; "developer" is the newer name of "system". With tools, a system block
-        describes them (merged into a leading system message); earlier calls are written as the model is asked
-        to write them, and tool results become user messages (docs/structured.md)."""
-        mode, tools = self.tool_mode()
-        names = {c.get("id"): (c.get("function") or {}).get("name") for m in self.messages for c in m.tool_calls or ()}
-        out = []
-        for m in self.messages:
-            text = m.text()
-            if m.role == "tool":
-                out.append({"role": "user", "content": tool_calls.render_result(names.get(m.tool_call_id),
-                                                                                m.tool_call_id or "?", text)})
-                continue
-            if m.tool_calls:
-                text = "\n".join([text] * bool(text) + [tool_calls.render_call(c) for c in m.tool_calls])
-            out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
-        if mode != "none":
-            block = tool_calls.system_block(mode, tools)
-            if out[0]["role"] == "system":
-                out[0]["content"] = block + "\n\n" + out[0]["content"]
-            else:
-                out.insert(0, {"role": "system", "content": block})
-        return out
+        """Messages for the chat template; "developer" is the newer name of "system"; with tools, see tools.render."""
+        plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                  "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id} for m in self.messages]
+        return tool_calls.render(plain, *self.tool_mode())
 
 
 # ---- responses (documentation and tests; the routes build plain dicts) ---------------------------------------

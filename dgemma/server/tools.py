@@ -36,6 +36,27 @@ def check_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def mode(tools: list[dict[str, Any]], choice: str | dict[str, Any] | None, response_format: dict[str, Any] | None,
+         logprobs: bool) -> tuple[str, list[dict[str, Any]]]:
+    """A chat request's (mode, callable tools), its fields checked; raises SamplingParamsError naming the field."""
+    kind, callable_tools = choose(check_tools(tools), choice)
+    if kind != "none" and response_format not in (None, {"type": "text"}):
+        raise SamplingParamsError('response_format and tools both constrain the reply; send one (or tool_choice '
+                                  '"none")', "response_format")
+    if kind != "none" and logprobs:
+        raise SamplingParamsError("logprobs are not supported with tools", "logprobs")
+    return kind, callable_tools
+
+
+def missing(field: str, message: dict[str, Any]) -> str | None:
+    """Why a chat message's `content` / `tool_call_id` cannot be null here, or None when it can."""
+    if field == "content" and not (message.get("role") == "assistant" and message.get("tool_calls")):
+        return "content is required (null only in an assistant message with tool_calls)"
+    if field == "tool_call_id" and message.get("role") == "tool":
+        return "a tool message needs the tool_call_id it answers"
+    return None
+
+
 def choose(tools: list[dict[str, Any]], choice: str | dict[str, Any] | None) -> tuple[str, list[dict[str, Any]]]:
     """(mode, callable tools): mode "none" (plain text), "auto" (a call or text) or "required" (a call)."""
     if choice is None:
@@ -99,3 +120,34 @@ def parse_call(text: str, tools: list[dict[str, Any]]) -> dict[str, Any] | None:
     arguments = json.dumps(obj.get("arguments", {}), ensure_ascii=False, separators=(",", ":"))
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": obj["name"], "arguments": arguments}}
+
+
+def render(messages: list[dict[str, Any]], mode: str, tools: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Chat messages ({role, content, tool_calls, tool_call_id}) as plain template messages: with tools, the
+    system block in front (merged into a leading system message); earlier calls written as the model is asked
+    to write them; tool results as user messages."""
+    names = {c.get("id"): (c.get("function") or {}).get("name") for m in messages for c in m["tool_calls"] or ()}
+    out = []
+    for m in messages:
+        text, call_id = m["content"], m["tool_call_id"]
+        if m["role"] == "tool":
+            out.append({"role": "user", "content": render_result(names.get(call_id), call_id or "?", text)})
+            continue
+        if m["tool_calls"]:
+            text = "\n".join([text] * bool(text) + [render_call(c) for c in m["tool_calls"]])
+        out.append({"role": m["role"], "content": text})
+    if mode != "none":
+        block = system_block(mode, tools)
+        if out[0]["role"] == "system":
+            out[0]["content"] = block + "\n\n" + out[0]["content"]
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    return out
+
+
+def reply(text: str, reason: str, mode: str, tools: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
+    """A finished choice's assistant message and finish reason: a whole call becomes `tool_calls`."""
+    call = parse_call(text, tools) if mode != "none" and reason == "stop" else None
+    if call is None:
+        return {"role": "assistant", "content": text}, reason
+    return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
