@@ -92,12 +92,16 @@ BAD = [
     ("message content null", X, {"messages": [{"role": "user", "content": None}]}, 400, "messages[0].content"),
     ("message content number", X, {"messages": [{"role": "user", "content": 7}]}, 400, "messages[0].content"),
     ("unknown role", X, {"messages": [{"role": "bot", "content": "hi"}]}, 400, "messages[0].role"),
-    ("tool role", X, {"messages": [{"role": "tool", "content": "hi"}]}, 400, "messages[0].role"),
+    ("tool role without tool_call_id", X, {"messages": [{"role": "tool", "content": "hi"}]}, 400,
+     "messages[0].tool_call_id"),
+    ("user content null with tool_calls", X, {"messages": [{"role": "user", "content": None, "tool_calls": [{}]}]},
+     400, "messages[0].content"),
     ("image part", X, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
         "url": "http://x/y.png"}}]}]}, 400, "messages[0].content"),
     ("top_logprobs without logprobs", X, {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ("too many top_logprobs", X, {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
-    ("tools", X, {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("tools with a bad schema", X, {"messages": CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "strin"}}}]}, 400, "tools"),
     ("response_format xml", X, {"messages": CHAT, "response_format": {"type": "xml"}}, 400, "response_format"),
     ("json_schema without schema", X, {"messages": CHAT, "response_format": {"type": "json_schema",
                                                                             "json_schema": {"name": "x"}}},

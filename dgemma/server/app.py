@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from dgemma import __version__
 from dgemma.api import Model
+from dgemma.sampling import SamplingParamsError
 from dgemma.server import errors, playground, security
 from dgemma.server.config import ServerConfig
 from dgemma.server.protocol import (
@@ -129,7 +130,11 @@ def _routes(api: APIRouter, service: Service) -> None:
     @api.post("/v1/chat/completions", response_model=None,
               responses=_responses(ChatCompletionResponse, 400, 401, 404, 408, 413, 429, 503, stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        generation = await service.generate(body, [body.chat()], "messages", "chatcmpl")
+        try:
+            messages = body.chat()  # checks tools / tool_choice first: a 400 naming the field, before model work
+        except SamplingParamsError as e:
+            raise errors.bad_request(str(e), e.param) from None
+        generation = await service.generate(body, [messages], "messages", "chatcmpl")
         return await _respond(generation, body, request, chat=True)
 
     _metrics_route(api, service)
@@ -174,8 +179,8 @@ async def _respond(gen: Generation, body: Any, request: Request, chat: bool) -> 
     for i, (text, reason, entries) in enumerate(results):
         logprobs = None if entries is None else body.format_logprobs(entries, gen.service.model.token_bytes, 0)
         if chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                            "finish_reason": reason})
+            message, reason = body.reply(text, reason)
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
         else:
             choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason})
     return JSONResponse({"id": gen.id, "object": "chat.completion" if chat else "text_completion",
@@ -215,8 +220,15 @@ async def _events(gen: Generation, chunks: Chunks, outputs: AsyncIterator[Any], 
         for i in range(gen.n):
             yield _data(chunks.choice(i, role=True))
     shown = [0] * gen.n  # characters sent per choice (completions' text_offset)
+    held = [""] * gen.n if chunks.chat and body.tool_mode()[0] != "none" else None  # a call is sent whole
     async for out in outputs:
         if out.kind == "start":
+            continue
+        if held is not None and out.kind in ("text", "finish"):
+            held[out.index] += out.text if out.kind == "text" else ""
+            if out.kind == "finish":
+                message, reason = body.reply(held[out.index], out.finish_reason)
+                yield _data(chunks.choice(out.index, finish_reason=reason, message=message))
             continue
         if out.kind == "text" and out.logprobs is not None:
             logprobs = body.format_logprobs(out.logprobs, gen.service.model.token_bytes, shown[out.index])

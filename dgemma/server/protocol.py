@@ -6,10 +6,12 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator,
+                      field_validator)
 from pydantic_core import PydanticCustomError
 
 from dgemma.sampling import Grammar, SamplingParamsError
+from dgemma.server import tools as tool_calls
 
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
@@ -179,11 +181,22 @@ Content = Annotated[Text | list[TextPart], _one_of("must be a string or a list o
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Content
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="an assistant message's earlier calls")
+    content: Content | None = Field(None, validate_default=True, description="null only with tool_calls")
     name: Text | None = None
+    tool_call_id: Text | None = Field(None, validate_default=True, description="a tool message: the call it answers")
+
+    @field_validator("content", "tool_call_id")
+    @classmethod
+    def _needed(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None and (why := tool_calls.missing(info.field_name, info.data)):
+            raise PydanticCustomError("missing", why)
+        return value
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
@@ -206,11 +219,15 @@ class ChatCompletionRequest(OpenAIRequest):
     web_search_options: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools", "tool calling"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", "tool calling"
         return self._unsupported_extras() or super().unsupported()
+
+    def tool_mode(self) -> tuple[str, list[dict[str, Any]]]:
+        """("none" | "auto" | "required", the callable tools); raises SamplingParamsError naming the field."""
+        return tool_calls.mode(self.tools or [], self.tool_choice, self.response_format, self.logprobs)
+
+    def reply(self, text: str, reason: str) -> tuple[dict[str, Any], str]:
+        """The assistant message and finish reason of a finished choice: a whole call becomes `tool_calls`."""
+        return tool_calls.reply(text, reason, *self.tool_mode())
 
     def logprob_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -229,6 +246,9 @@ class ChatCompletionRequest(OpenAIRequest):
     def grammar(self) -> Grammar | None:
         """response_format -> Grammar: {"type": "json_object"}, or {"type": "json_schema", "json_schema":
         {"name": ..., "schema": {...}, "strict": ...}}; "text" or none: free text."""
+        mode, tools = self.tool_mode()
+        if mode != "none":
+            return tool_calls.grammar(mode, tools)
         fmt, param = self.response_format, "response_format"
         kind = None if fmt is None else fmt.get("type")
         if kind in (None, "text"):
@@ -254,12 +274,14 @@ class ChatCompletionRequest(OpenAIRequest):
         return next(((name, name.replace("_", " ")) for name, asked in asks.items() if asked), None)
 
     def chat(self) -> list[dict[str, str]]:
-        """Messages for the chat template; "developer" is the newer name of "system"."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        """Messages for the chat template; "developer" is the newer name of "system"; with tools, see tools.render."""
+        plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                  "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id} for m in self.messages]
+        return tool_calls.render(plain, *self.tool_mode())
 
 
 # ---- responses (documentation and tests; the routes build plain dicts) ---------------------------------------
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class Usage(BaseModel):
@@ -286,7 +308,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -355,9 +378,13 @@ class Chunks:
                      "created": created, "model": model}
 
     def choice(self, index: int, text: str | None = None, finish_reason: str | None = None, role: bool = False,
-               **extra: Any) -> dict[str, Any]:
+               message: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+        """`message`: a whole reply held back until its end (tool calls), sent as one delta."""
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            if message is not None:
+                delta = ({"tool_calls": [{"index": i} | c for i, c in enumerate(message["tool_calls"])]}
+                         if message.get("tool_calls") else {"content": message["content"]})
             item = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             item = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
