@@ -147,7 +147,7 @@ def test_stop_aborts_the_request_on_the_server(server, page):
     page.fill("#max-tokens", "20000")
     page.fill("#prompt", "Tell me a very long story.")
     page.click("#send")
-    page.locator("#counter", has_text=re.compile(r"^canvas 3 ")).wait_for(timeout=WAIT_MS)
+    page.locator("#counter", has_text=re.compile(r"^canvas 3 ")).wait_for(timeout=4 * WAIT_MS)  # slow on a busy CPU
     assert server.service.in_use == 1
     page.keyboard.press("Escape")
     page.wait_for_selector("body[data-state=stopped]", timeout=WAIT_MS)

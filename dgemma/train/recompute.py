@@ -25,31 +25,34 @@ class _Recorder:
         self.k = self.v = None
         self.start = 0
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    @property
+    def batch_size(self) -> int:
+        return self.cache.batch_size
+
+    def view(self, layer: int, lo: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        """What `KVCache.view` returns (slots lo..start of the cache, then the new keys / values), unwritten."""
         self.k, self.v, self.start = k, v, start
-
-    def slice(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots lo..hi = the cache's lo..start, then this layer's new keys / values (hi = start + new)."""
-        if lo == self.start:
-            return self.k, self.v
-        keys, values = self.cache.slice(layer, lo, self.start)
-        return torch.cat([keys, self.k], dim=2), torch.cat([values, self.v], dim=2)
+        if lo == start:
+            return k, v
+        keys, values = self.cache.slice(layer, lo, start)
+        return torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
 
 
-def _checkpointed(forward, layer: int, x, rope, cache, start, span, encoder, write=True):
+def _checkpointed(forward, layer: int, x, rope, parts, encoder, write=True):
     """Block.forward, checkpointed when it records a graph; cache writes happen once, outside the rerun."""
     if not torch.is_grad_enabled():
-        return forward(x, rope, cache, start, span, encoder, write)
+        return forward(x, rope, parts, encoder, write)
     if not write:  # the training decoder: reads the cache, writes nothing
-        return checkpoint(forward, x, rope, cache, start, span, encoder, False, use_reentrant=False)
+        return checkpoint(forward, x, rope, parts, encoder, False, use_reentrant=False)
 
     def rerunnable(x):
-        recorder = _Recorder(cache)
-        out = forward(x, rope, recorder, start, span, encoder, True)
-        return out, recorder.k, recorder.v
+        recorders = [_Recorder(part.cache) for part in parts]
+        out = forward(x, rope, [part._replace(cache=r) for part, r in zip(parts, recorders)], encoder, True)
+        return (out, *[t for r in recorders for t in (r.k, r.v)])
 
-    out, k, v = checkpoint(rerunnable, x, use_reentrant=False)
-    cache.write(layer, start, k, v)
+    out, *kv = checkpoint(rerunnable, x, use_reentrant=False)
+    for i, part in enumerate(parts):
+        part.cache.view(layer, part.start, part.start, kv[2 * i], kv[2 * i + 1])
     return out
 
 
