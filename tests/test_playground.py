@@ -141,16 +141,14 @@ def test_completion_tab_and_replay(server, page):
     assert page.problems == []
 
 
-@pytest.mark.skip(reason="known order-dependent failure: passes alone, but after other test modules the request never "
-                  "reaches canvas 3 in the page (under investigation); Stop's server-side abort is covered by the "
-                  "server's disconnect tests")
 def test_stop_aborts_the_request_on_the_server(server, page):
     _open(page, server.url)
     aborted = server.service.metrics.finished.values["abort"]
     page.fill("#max-tokens", "20000")
     page.fill("#prompt", "Tell me a very long story.")
     page.click("#send")
-    page.locator("#counter", has_text=re.compile(r"^canvas 3 ")).wait_for(timeout=4 * WAIT_MS)  # slow on a busy CPU
+    # canvas 3 or later: a fast machine can pass canvas 3 between two of Playwright's polls
+    page.locator("#counter", has_text=re.compile(r"^canvas ([3-9]|[1-9]\d+) ")).wait_for(timeout=4 * WAIT_MS)
     assert server.service.in_use == 1
     page.keyboard.press("Escape")
     page.wait_for_selector("body[data-state=stopped]", timeout=WAIT_MS)
