@@ -18,10 +18,11 @@ from dgemma.engine import (AutoregressiveEngine, Engine, OutputStream, PrefixCac
 from dgemma.errors import DgemmaError
 from dgemma.jsonfile import read_json
 from dgemma.options import MODES, SAMPLINGS
-from dgemma.quant import QuantizedWeight, parse_quantize
+from dgemma.quant import QuantizedWeight, a8, parse_quantize
 from dgemma.quant import summary as quant_summary
 from dgemma.sampling import Limits, SamplingParams, SamplingParamsError
 from dgemma.sampling.constraints import GrammarVocab, shared_vocab
+from dgemma.sampling.fused import vocab_chunk
 from dgemma.sampling.seeded import Layout, edit_parts, parse_template
 from dgemma.tokenizer import Tokenizer
 from dgemma.weights import is_gguf, load_gguf_model, load_model, resolve_checkpoint
@@ -68,12 +69,20 @@ def load(path_or_repo: str | Path | None = None, dtype: str | torch.dtype = "aut
         raise DgemmaError(f"device {device!s} is not available ({e})") from None
     if spec is not None and device.type not in QUANT_DEVICES:
         raise DgemmaError(f"quantize={spec.name} runs on {' or '.join(QUANT_DEVICES)}, not on device {device}")
+    if spec is not None and spec.int8_activations and not a8.available(device):
+        raise DgemmaError(f"quantize={spec.name}: int8 activations need an x86 CPU build of PyTorch with oneDNN, "
+                          f"not device {device}")
+    stored = spec if spec is None or spec.requantizes else None
     if gguf:
         module, tokenizer, generation = load_gguf_model(directory, _resolve_dtype(dtype, directory, device), device,
-                                                        spec)
+                                                        stored)
     else:
-        module = load_model(directory, _resolve_dtype(dtype, directory, device), device, spec)
+        module = load_model(directory, _resolve_dtype(dtype, directory, device), device, stored)
         tokenizer, generation = Tokenizer.maybe_load(directory), read_json(directory / "generation_config.json")
+    if spec is not None and spec.int8_activations and not a8.enable(module, module.embed_tokens.weight,
+                                                                     vocab_chunk(device)):
+        raise DgemmaError(f"quantize={spec.name}: {directory} has no quantized 2D weights to run with int8 "
+                          "activations (int8+a8 or int4+a8 quantizes them while loading)")
     if compile:
         # dynamic shapes: the cache view grows every canvas; a new batch size compiles once more
         module.denoise = torch.compile(module.denoise, dynamic=True)

@@ -20,12 +20,16 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from dgemma.api import DEMO_MODEL
+    from dgemma.errors import DgemmaError
     from dgemma.jsonfile import read_json
     from dgemma.quant import parse_quantize
     from dgemma.weights.compressed import save_compressed
     from dgemma.weights.hf import load_model, resolve_checkpoint
 
     spec = parse_quantize(args.to)
+    if spec.int8_activations:
+        raise DgemmaError(f"--to {args.to}: +a8 (int8 activations) is chosen when loading, not stored; use --to "
+                          f"{spec.name.removesuffix('+a8') if spec.requantizes else 'int8'}")
     source = resolve_checkpoint(args.model or DEMO_MODEL)
     saved = read_json(source / "config.json").get("dtype") or read_json(source / "config.json").get("torch_dtype")
     dtype = torch.bfloat16 if saved == "bfloat16" else torch.float32  # unquantized tensors keep the source's dtype

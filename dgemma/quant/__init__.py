@@ -1,4 +1,4 @@
-"""Quantized weights and their matmuls (weight-only: activations stay float).
+"""Quantized weights and their matmuls (weight-only unless `+a8` asks for int8 activations).
 
 API (what other packages use):
 - `QuantizedWeight` (quant/base.py): an nn.Module standing in for a float weight of logical `shape` [N, K] or
@@ -12,6 +12,7 @@ API (what other packages use):
 - `FP8Weight`, `NVFP4Weight` (quant/fp.py): the formats pre-quantized checkpoints bring (decoded on the fly).
 - `join(parts, stack)`: one weight from per-expert / per-projection pieces (re-stacking unfused experts).
 - `QuantSpec` / `parse_quantize` (quant/spec.py): the `--quantize` vocabulary.
+- `a8` (quant/a8.py): `+a8`, int8 activations for 2D quantized weights on x86 CPUs (`a8.enable(module, ...)`).
 """
 
 from dgemma.quant.base import QuantizedWeight, compute_dtype, join, summary

@@ -60,6 +60,7 @@ class QuantizedWeight(nn.Module):
     """A frozen weight of logical `shape` stored compactly; see the module docstring for the contract."""
 
     format = "?"
+    a8 = None  # quant/a8.py's packed int8 copy, when `+a8` asked for int8 activations
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
         super().__init__()
@@ -117,9 +118,17 @@ class QuantizedWeight(nn.Module):
             hi = min(lo + step, self.shape[0])
             yield lo, hi, self.dequantize(slice(lo, hi), dtype, fresh)
 
+    def _int8_activations(self, x: torch.Tensor, transposed: bool):
+        """The `+a8` copy when it serves this call (not under autograd: it has no backward)."""
+        a8 = self.a8
+        usable = a8 is not None and (a8.blocks_t or not transposed)
+        return a8 if usable and not (torch.is_grad_enabled() and x.requires_grad) else None
+
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] @ W.T -> [..., N] (2D weights)."""
         flat = x.reshape(-1, x.shape[-1]).to(compute_dtype(x.dtype, x.device))
+        if a8 := self._int8_activations(x, transposed=False):
+            return a8.linear(flat).to(x.dtype).view(*x.shape[:-1], self.shape[0])
         parts = [flat @ w.T for _, _, w in self._chunks(x)]
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return y.to(x.dtype).view(*x.shape[:-1], self.shape[0])
@@ -127,6 +136,8 @@ class QuantizedWeight(nn.Module):
     def linear_t(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., N] @ W -> [..., K] (2D weights): the soft embedding through the tied embedding."""
         flat = x.reshape(-1, x.shape[-1]).to(compute_dtype(x.dtype, x.device))
+        if a8 := self._int8_activations(x, transposed=True):
+            return a8.linear_t(flat).to(x.dtype).view(*x.shape[:-1], self.shape[1])
         y = None
         for lo, hi, w in self._chunks(x):
             part = flat[:, lo:hi] @ w

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from dgemma.model.layers import gemm_dtype
 from dgemma.quant import QuantizedWeight
+from dgemma.quant.a8 import quantize_rows
 from dgemma.sampling.samplers import StepOutput, entropy_bound_accept, random_tokens, renoise
 
 LOG2E = 1.0 / math.log(2.0)
@@ -60,12 +61,16 @@ class _Buffers:
         self.prob_mm = self.prob if dtype == torch.float32 else torch.empty(n, width, dtype=dtype, device=device)
         self.part = torch.empty(n, hidden, dtype=dtype, device=device)
 
-    def squashed(self, x: Tensor, block: Tensor) -> Tensor:
-        """sigmoid(2 x.block / softcap) for a chunk, in the float32 score buffer [n, w]."""
+    def head_mm(self, x: Tensor, block: Tensor) -> int:
+        """x.block for a chunk into the float32 score buffer [n, w]; returns w."""
         w = block.shape[0]
         torch.mm(x, block.T, out=self.logits[:, :w])
         if self.logits is not self.score:
             self.score[:, :w].copy_(self.logits[:, :w])
+        return w
+
+    def squash(self, w: int) -> Tensor:
+        """sigmoid(2 logits / softcap) in place in the score buffer [n, w]."""
         return self.score[:, :w].mul_(2 / self.softcap).sigmoid_()
 
     def soft_part(self, p: Tensor, block: Tensor) -> Tensor:
@@ -143,20 +148,58 @@ def vocab_step(hidden: Tensor, embedding: Tensor | QuantizedWeight, softcap: flo
     # softcap * tanh(x / softcap) / T in base 2, as scale * sigmoid(2x / softcap) - shift: sigmoid is much faster
     scale = (2 * softcap * LOG2E * inv_temp)[:, None]
     shift = (softcap * LOG2E * inv_temp)[:, None]
+    rows = _Int8Rows(embedding.a8, x, buf) if _int8_ready(embedding, chunk) else _FloatRows(embedding, x, buf,
+                                                                                                  mm_dtype)
     for k, lo in enumerate(range(0, v, chunk)):
-        block = _rows(embedding, lo, chunk, mm_dtype)
-        s = buf.squashed(x, block)
+        w = rows.logits(k, lo, chunk)
+        s = buf.squash(w)
         top = run.update_argmax(s, lo)
         new_peak = torch.maximum(run.peak, (top[:, None] * scale - shift).squeeze(1))
         s.mul_(scale).sub_(shift + new_peak[:, None])  # s - peak <= 0
-        p = torch.exp2(s, out=buf.prob[:, :block.shape[0]])
+        p = torch.exp2(s, out=buf.prob[:, :w])
         chunk_mass = run.update_mass(s, p, new_peak)  # s is not needed after this
         if want_signal:
-            run.soft.mul_(run.decay[:, None]).add_(buf.soft_part(p, block))
+            run.soft.mul_(run.decay[:, None]).add_(rows.soft(k, p))
         run.update_sample(p, chunk_mass, uniforms[:, 2 * k], uniforms[:, 2 * k + 1], lo)
     entropy = (torch.log2(run.mass) - run.moment / run.mass) / LOG2E
     signal = (run.soft / run.mass[:, None] * embed_scale).to(embedding.dtype) if want_signal else None
     return VocabStep(run.argmax, run.sample, entropy, signal)
+
+
+class _FloatRows:
+    """Float GEMMs over each chunk's embedding rows (sliced, converted or decoded into the workspace)."""
+
+    def __init__(self, embedding: Tensor | QuantizedWeight, x: Tensor, buf: _Buffers, dtype: torch.dtype):
+        self.embedding, self.x, self.buf, self.dtype = embedding, x, buf, dtype
+        self.block: Tensor | None = None
+
+    def logits(self, k: int, lo: int, chunk: int) -> int:
+        self.block = _rows(self.embedding, lo, chunk, self.dtype)
+        return self.buf.head_mm(self.x, self.block)
+
+    def soft(self, k: int, p: Tensor) -> Tensor:
+        return self.buf.soft_part(p, self.block)
+
+
+class _Int8Rows:
+    """int8 GEMMs over the embedding's packed blocks (`--quantize ...+a8`, quant/a8.py): the hidden states are
+    quantized once per step, each chunk's probabilities once per chunk."""
+
+    def __init__(self, a8, x: Tensor, buf: _Buffers):
+        self.a8, self.rows, self.buf = a8, quantize_rows(x), buf
+
+    def logits(self, k: int, lo: int, chunk: int) -> int:
+        y = self.a8.blocks[k].mm(self.rows)
+        self.buf.score[:, :y.shape[1]].copy_(y)
+        return y.shape[1]
+
+    def soft(self, k: int, p: Tensor) -> Tensor:
+        return self.a8.blocks_t[k].mm(quantize_rows(p, nonnegative=True))
+
+
+def _int8_ready(embedding: Tensor | QuantizedWeight, chunk: int) -> bool:
+    a8 = getattr(embedding, "a8", None)
+    return a8 is not None and bool(a8.blocks_t) and a8.block_rows == chunk
 
 
 def _rows(embedding: Tensor | QuantizedWeight, lo: int, chunk: int, dtype: torch.dtype) -> Tensor:

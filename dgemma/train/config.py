@@ -93,7 +93,8 @@ class TrainConfig:
         if self.quantize is not None:
             from dgemma.quant.spec import parse_quantize
 
-            parse_quantize(self.quantize)
+            if parse_quantize(self.quantize).int8_activations:
+                raise ConfigError("quantize: +a8 (int8 activations) is for inference; train with int8, int4 or nvfp4")
             if not self.lora:
                 raise ConfigError("quantize needs lora: a quantized base is frozen, only adapters train (QLoRA)")
             if any(t == "experts" or t.startswith("experts.") for t in self.lora_targets):
