@@ -1,7 +1,7 @@
 """Seconds per denoising step on the same GGUF files: llama.cpp's `llama-diffusion-cli` against dgemma.
 
     python benchmarks/gguf_speed.py --checkpoint DIR --gguf Q8_0=model-q8_0.gguf --gguf Q4_K_M=model-Q4_K_M.gguf \\
-        [--llama-bin BUILD/bin] [--threads 2] [--steps 8] [--repeats 3]
+        [--llama-bin BUILD/bin] [--threads 2] [--steps 8] [--repeats 3] [--a8]
 
 Rows: llama.cpp on each file (skipped, with a note, without --llama-bin); dgemma in float32 on the original
 checkpoint (--checkpoint; optional); dgemma on each file, in the form dgemma keeps it (Q8_0 / Q4_0 as int8 / int4
@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8, help="denoising steps per canvas (fixed; at least 3)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--engines", default="llama.cpp,dgemma", help="subset of llama.cpp,dgemma")
+    p.add_argument("--a8", action="store_true", help="also run dgemma on each file with int8 activations "
+                   "(--quantize a8: the file's weights, int8 x int8 GEMMs)")
     args = p.parse_args(argv)
     files = dict(item.split("=", 1) for item in args.gguf)
     engines = args.engines.split(",")
@@ -118,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                                    args.steps, args.repeats)})
             _log(rows[-1])
         for name, path in files.items():
-            rows.append({"engine": "dgemma", "weights": name, **dgemma_step(Path(path), args.threads, args.steps,
-                                                                            args.repeats)})
-            _log(rows[-1])
+            for quantize in (None, "a8") if args.a8 else (None,):
+                rows.append({"engine": "dgemma", "weights": name + ("+a8" if quantize else ""),
+                             **dgemma_step(Path(path), args.threads, args.steps, args.repeats, quantize)})
+                _log(rows[-1])
     print(json.dumps({"threads": args.threads, "steps": args.steps, "rows": rows}))
     return 0
 

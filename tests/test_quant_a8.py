@@ -68,8 +68,11 @@ def test_load_with_int8_activations():
     base = dgemma.load(None, quantize="int8")
     model = dgemma.load(None, quantize="int8+a8")
     mod = model.module
+    emb = mod.embed_tokens.weight  # one more byte per element and direction (+ a float32 scale per channel)
+    assert 2 * emb.numel() < emb.a8.nbytes < 2.2 * emb.numel() and emb.nbytes > emb.a8.nbytes
+    assert "a8." not in "".join(mod.state_dict())  # never saved
     assert mod.embed_tokens.weight.a8.blocks_t and mod.layers[0].self_attn.q_proj.weight.a8 is not None
-    assert mod.layers[0].experts.gate_up_proj.a8 is None  # expert stacks stay weight-only
+    assert not hasattr(mod.layers[0].experts.gate_up_proj, "a8")  # expert stacks stay weight-only
     assert _kl(_logits(base), _logits(model)) < 0.01  # measured ~0.001
     assert len(model.generate("The king", max_new_tokens=8, seed=0, max_denoising_steps=4).token_ids) == 8
 

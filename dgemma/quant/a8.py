@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 SIGNED_LEVELS, SIGNED_ZERO = 63, 64  # codes 1..127: signed activations in 7 bits
 POSITIVE_LEVELS = 127  # codes 0..127: non-negative activations (probabilities)
@@ -42,16 +42,17 @@ def quantize_rows(x: Tensor, nonnegative: bool = False) -> Rows:
     return Rows(codes, peak / levels, zero)
 
 
-class PackedBlock:
-    """Rows of a weight [n, k] as int8 codes per output channel, packed for oneDNN."""
+class PackedBlock(nn.Module):
+    """Rows of a weight [n, k] as int8 codes per output channel, packed for oneDNN (non-persistent buffers: counted
+    with the model's tensors, never saved)."""
 
     def __init__(self, w: Tensor):
+        super().__init__()
         scales = (w.abs().amax(1) / 127).clamp_min_(torch.finfo(torch.float32).tiny)
         codes = (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-        self.packed = torch.ops.onednn.qlinear_prepack(codes, None)
-        self.scales = scales
-        self.zeros = torch.zeros(w.shape[0], dtype=torch.long)
-        self.rows = w.shape[0]
+        self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(codes, None), persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        self.register_buffer("zeros", torch.zeros(w.shape[0], dtype=torch.long), persistent=False)
 
     def mm(self, x: Rows) -> Tensor:
         """float32 [M, n] ~= x @ w.T."""
@@ -59,19 +60,15 @@ class PackedBlock:
                                                0, torch.float32, "none", [], "")
         return y.mul_(x.scale)
 
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel() + self.scales.numel() * 4
 
-
-class Int8Activations:
+class Int8Activations(nn.Module):
     """The packed row blocks of one 2D weight W [N, K] (`blocks`) and, when `transposed`, of W[lo:hi].T for each
     block (`blocks_t`, for x @ W)."""
 
     def __init__(self, weight, block_rows: int, transposed: bool):
+        super().__init__()
         self.block_rows = block_rows
-        self.blocks: list[PackedBlock] = []
-        self.blocks_t: list[PackedBlock] = []
+        self.blocks, self.blocks_t = nn.ModuleList(), nn.ModuleList()
         for lo in range(0, weight.shape[0], block_rows):
             w = weight.dequantize(slice(lo, lo + block_rows), torch.float32)
             self.blocks.append(PackedBlock(w))
@@ -80,7 +77,7 @@ class Int8Activations:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.blocks + self.blocks_t)
+        return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def linear(self, x: Tensor) -> Tensor:
         """x [M, K] @ W.T -> float32 [M, N]."""
@@ -103,9 +100,8 @@ def enable(module: torch.nn.Module, embedding, embedding_block_rows: int) -> int
     from dgemma.quant.base import QuantizedWeight
 
     added = 0
-    for m in module.modules():
-        if isinstance(m, QuantizedWeight) and len(m.shape) == 2:
-            tied = m is embedding
-            m.a8 = Int8Activations(m, embedding_block_rows if tied else m.shape[0], transposed=tied)
-            added += m.a8.nbytes
+    for m in [m for m in module.modules() if isinstance(m, QuantizedWeight) and len(m.shape) == 2]:
+        tied = m is embedding
+        m.a8 = Int8Activations(m, embedding_block_rows if tied else m.shape[0], transposed=tied)
+        added += m.a8.nbytes
     return added

@@ -60,7 +60,6 @@ class QuantizedWeight(nn.Module):
     """A frozen weight of logical `shape` stored compactly; see the module docstring for the contract."""
 
     format = "?"
-    a8 = None  # quant/a8.py's packed int8 copy, when `+a8` asked for int8 activations
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
         super().__init__()
@@ -86,6 +85,7 @@ class QuantizedWeight(nn.Module):
 
     @property
     def nbytes(self) -> int:
+        """Bytes held, the `+a8` copy included."""
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def numel(self) -> int:
@@ -119,8 +119,8 @@ class QuantizedWeight(nn.Module):
             yield lo, hi, self.dequantize(slice(lo, hi), dtype, fresh)
 
     def _int8_activations(self, x: torch.Tensor, transposed: bool):
-        """The `+a8` copy when it serves this call (not under autograd: it has no backward)."""
-        a8 = self.a8
+        """The `+a8` copy (quant/a8.py: submodule `a8`) when it serves this call (not under autograd: no backward)."""
+        a8 = getattr(self, "a8", None)
         usable = a8 is not None and (a8.blocks_t or not transposed)
         return a8 if usable and not (torch.is_grad_enabled() and x.requires_grad) else None
 
