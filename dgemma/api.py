@@ -18,7 +18,7 @@ from dgemma.engine import (AutoregressiveEngine, Engine, OutputStream, PrefixCac
 from dgemma.errors import DgemmaError
 from dgemma.jsonfile import read_json
 from dgemma.options import MODES, SAMPLINGS
-from dgemma.quant import QuantizedWeight, a8, parse_quantize
+from dgemma.quant import QuantizedWeight, a8, int4cpu, parse_quantize
 from dgemma.quant import summary as quant_summary
 from dgemma.sampling import Limits, SamplingParams, SamplingParamsError
 from dgemma.sampling.constraints import GrammarVocab, shared_vocab
@@ -79,6 +79,8 @@ def load(path_or_repo: str | Path | None = None, dtype: str | torch.dtype = "aut
     else:
         module = load_model(directory, _resolve_dtype(dtype, directory, device), device, stored)
         tokenizer, generation = Tokenizer.maybe_load(directory), read_json(directory / "generation_config.json")
+    if device.type == "cpu" and int4cpu.available():
+        int4cpu.convert(module)
     if spec is not None and spec.int8_activations and not a8.enable(module, module.embed_tokens.weight,
                                                                      vocab_chunk(device)):
         raise DgemmaError(f"quantize={spec.name}: {directory} has no quantized 2D weights to run with int8 "

@@ -84,6 +84,8 @@ def expert_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch
     on a converted copy (exact inputs, float32 accumulation); quantized stacks are decoded a few experts at a time.
     """
     if isinstance(w, QuantizedWeight):
+        if hasattr(w, "expert_matmul") and not (torch.is_grad_enabled() and x.requires_grad):
+            return w.expert_matmul(x, ends)  # a format with its own grouped kernel (quant/int4cpu.py)
         return _quantized_matmul(x, w, ends)
     dtype = gemm_dtype(w)
     if dtype != w.dtype:

@@ -1,0 +1,54 @@
+"""int4 expert stacks in torch's CPU int4 layout (dgemma/quant/int4cpu.py): exact weights, the kernel's products
+against float arithmetic on the same weights, conversion at load."""
+
+import pytest
+import torch
+
+import dgemma
+from dgemma.quant import IntWeight, int4cpu, quantize_tensor
+from dgemma.quant.int4cpu import CPUInt4Experts
+
+pytestmark = pytest.mark.skipif(not int4cpu.available(), reason="no torch CPU int4 kernel")
+
+
+def _stack(e=5, n=96, k=128, seed=0):
+    w = torch.randn(e, n, k, generator=torch.Generator().manual_seed(seed))
+    return quantize_tensor(w, 4)
+
+
+def test_layout_keeps_the_exact_weights():
+    w = _stack()
+    c = CPUInt4Experts.from_int(w)
+    assert c.packed.shape == (5, 96, 64) and c.nbytes == w.nbytes  # a permutation: no extra bytes
+    assert torch.equal(c.dequantize(), w.dequantize())
+    assert torch.equal(c.dequantize(torch.tensor([3, 1])), w.dequantize(torch.tensor([3, 1])))
+    back = c.to_int()
+    assert torch.equal(back.qweight, w.qweight) and torch.equal(back.scales, w.scales)
+
+
+def test_order_probe_matches_torch_packing():
+    codes = torch.randint(0, 16, (64, 96), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 2)
+    nibbles = torch.stack([packed & 15, packed >> 4], -1).reshape(-1).int()
+    assert torch.equal(nibbles, codes.reshape(-1)[int4cpu._order(64, 96)])
+
+
+def test_expert_products_follow_the_dequantized_weights():
+    w = _stack()
+    c = CPUInt4Experts.from_int(w)
+    x = torch.randn(23, 128, generator=torch.Generator().manual_seed(2))
+    ends = torch.tensor([4, 4, 11, 20, 23])  # expert 1 owns no rows
+    dense = w.dequantize()
+    bounds = [0, *ends.tolist()]
+    ref = torch.cat([x[bounds[e]:bounds[e + 1]] @ dense[e].T for e in range(5)])
+    got = c.expert_matmul(x, ends)
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    assert (got - ref).norm() / ref.norm() < 0.01  # bfloat16 inputs, scales and outputs
+
+
+def test_cpu_loads_convert_int4_expert_stacks():
+    model = dgemma.load(None, quantize="int4")
+    experts = model.module.layers[0].experts
+    assert isinstance(experts.gate_up_proj, CPUInt4Experts) and isinstance(experts.down_proj, CPUInt4Experts)
+    assert isinstance(model.module.layers[0].self_attn.q_proj.weight, IntWeight)
+    assert len(model.generate("The king", max_new_tokens=8, seed=0, max_denoising_steps=4).token_ids) == 8
