@@ -6,12 +6,13 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator,
-                      field_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo,
+                      WrapValidator, field_validator)
 from pydantic_core import PydanticCustomError
 
 from dgemma.sampling import Grammar, SamplingParamsError
 from dgemma.server import tools as tool_calls
+from dgemma.server.formats import response_grammar
 
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
@@ -131,6 +132,10 @@ class OpenAIRequest(_Strict):
         """Alternatives per token for `SamplingParams.logprobs`; None: no logprobs."""
         return None
 
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """Tools for a chat template that declares them (the checkpoint's own tool syntax)."""
+        return None
+
     def format_logprobs(self, entries: list, token_bytes: Any, offset: int) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -207,27 +212,32 @@ class ChatCompletionRequest(OpenAIRequest):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Text | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = Field(None, description="several calls in one reply (default true)")
     response_format: dict[str, Any] | None = None
     # defined by OpenAI, not done here: refused when they ask for something
     functions: list[dict[str, Any]] | None = None
     function_call: Text | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
     modalities: list[Text] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
     reasoning_effort: Text | None = None
     web_search_options: dict[str, Any] | None = None
 
+    _tool_use: tool_calls.ToolUse | None = PrivateAttr(None)
+
     def unsupported(self) -> tuple[str, str] | None:
         return self._unsupported_extras() or super().unsupported()
 
-    def tool_mode(self) -> tuple[str, list[dict[str, Any]]]:
-        """("none" | "auto" | "required", the callable tools); raises SamplingParamsError naming the field."""
-        return tool_calls.mode(self.tools or [], self.tool_choice, self.response_format, self.logprobs)
+    def tool_use(self, tokenizer: Any = None) -> tool_calls.ToolUse:
+        """The request's tool calls, checked on the first call (SamplingParamsError naming the field);
+        `tokenizer` picks the checkpoint's own call syntax when its template has one."""
+        if self._tool_use is None:
+            self._tool_use = tool_calls.ToolUse.of(self.tools or [], self.tool_choice, self.parallel_tool_calls,
+                                                   self.response_format, self.logprobs, tokenizer)
+        return self._tool_use
 
-    def reply(self, text: str, reason: str) -> tuple[dict[str, Any], str]:
-        """The assistant message and finish reason of a finished choice: a whole call becomes `tool_calls`."""
-        return tool_calls.reply(text, reason, *self.tool_mode())
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return self.tool_use().declared
 
     def logprob_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -244,29 +254,13 @@ class ChatCompletionRequest(OpenAIRequest):
                             for t, lp, alts in entries]}
 
     def grammar(self) -> Grammar | None:
-        """response_format -> Grammar: {"type": "json_object"}, or {"type": "json_schema", "json_schema":
-        {"name": ..., "schema": {...}, "strict": ...}}; "text" or none: free text."""
-        mode, tools = self.tool_mode()
-        if mode != "none":
-            return tool_calls.grammar(mode, tools)
-        fmt, param = self.response_format, "response_format"
-        kind = None if fmt is None else fmt.get("type")
-        if kind in (None, "text"):
-            return None
-        if kind == "json_object":
-            return Grammar.json_object(param)
-        if kind == "json_schema":
-            spec = fmt.get("json_schema")
-            if not isinstance(spec, dict) or "schema" not in spec:
-                raise SamplingParamsError('response_format json_schema needs {"json_schema": {"name": ..., '
-                                          '"schema": {...}}}', param)
-            return Grammar.json_schema(spec["schema"], param)
-        raise SamplingParamsError(f"response_format type {kind!r} must be text, json_object or json_schema", param)
+        """The tools' grammar when they may be called, else response_format's (formats.response_grammar)."""
+        tools = self.tool_use().grammar()
+        return tools if tools is not None else response_grammar(self.response_format)
 
     def _unsupported_extras(self) -> tuple[str, str] | None:
         asks = {
             "functions": bool(self.functions), "function_call": self.function_call not in (None, "none", "auto"),
-            "parallel_tool_calls": bool(self.parallel_tool_calls),
             "modalities": self.modalities not in (None, ["text"]), "audio": self.audio is not None,
             "prediction": self.prediction is not None, "reasoning_effort": self.reasoning_effort is not None,
             "web_search_options": self.web_search_options is not None,
@@ -277,7 +271,7 @@ class ChatCompletionRequest(OpenAIRequest):
         """Messages for the chat template; "developer" is the newer name of "system"; with tools, see tools.render."""
         plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
                   "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id} for m in self.messages]
-        return tool_calls.render(plain, *self.tool_mode())
+        return self.tool_use().messages(plain)
 
 
 # ---- responses (documentation and tests; the routes build plain dicts) ---------------------------------------
@@ -378,13 +372,12 @@ class Chunks:
                      "created": created, "model": model}
 
     def choice(self, index: int, text: str | None = None, finish_reason: str | None = None, role: bool = False,
-               message: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
-        """`message`: a whole reply held back until its end (tool calls), sent as one delta."""
+               call: tuple[int, dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
+        """`call`: (its index in the reply, an OpenAI tool call), sent whole as one delta."""
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            if message is not None:
-                delta = ({"tool_calls": [{"index": i} | c for i, c in enumerate(message["tool_calls"])]}
-                         if message.get("tool_calls") else {"content": message["content"]})
+            if call is not None:
+                delta = {"tool_calls": [{"index": call[0]} | call[1]]}
             item = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             item = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}

@@ -1,0 +1,25 @@
+"""Request fields that become a grammar or a seeded canvas: chat's `response_format` -> Grammar, and the
+completion's infill / template / edit fields -> the seeded-canvas options of `Model.params`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dgemma.sampling import Grammar, SamplingParamsError
+
+
+def response_grammar(fmt: dict[str, Any] | None, param: str = "response_format") -> Grammar | None:
+    """{"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...},
+    "strict": ...}} -> Grammar; "text" or none: free text (None)."""
+    kind = None if fmt is None else fmt.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return Grammar.json_object(param)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise SamplingParamsError('response_format json_schema needs {"json_schema": {"name": ..., '
+                                      '"schema": {...}}}', param)
+        return Grammar.json_schema(spec["schema"], param)
+    raise SamplingParamsError(f"response_format type {kind!r} must be text, json_object or json_schema", param)
