@@ -1,8 +1,11 @@
 """Structured output, logprobs and infill through the server with the official `openai` client: response_format
 json_schema and json_object, streamed and not, constrained and plain requests at once, bad schemas refused with a
-400 that names response_format before any model work; completions with a suffix, streamed and not."""
+400 that names response_format before any model work; completions with a suffix, a template with holes
+(`dgemma_template`) or an edit of a draft (`dgemma_edit` + `dgemma_renoise`), streamed and not, their fixed text
+byte-identical, bad ones 400s naming the field."""
 
 import json
+import re
 import threading
 
 import httpx
@@ -113,3 +116,40 @@ def test_completion_logprobs(openai_client):
     assert "".join(lp.tokens) == r.choices[0].text and len(lp.token_logprobs) == len(lp.tokens)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     assert all(len(top) <= 2 and max(top.values()) >= v for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+
+
+def _completion(client, **extra):
+    """(the text, its streamed text) of a completion with these dgemma extension fields."""
+    kwargs = dict(model="tiny", prompt="The story:", max_tokens=16, seed=2, extra_body=extra)
+    r = client.completions.create(**kwargs)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True) if c.choices)
+    assert r.choices[0].finish_reason == "stop"
+    return r.choices[0].text, streamed
+
+
+def test_completion_template_keeps_its_fixed_text(openai_client):
+    text, streamed = _completion(openai_client, dgemma_template="Alice is [[hole:4]] years and [[hole:3]].")
+    assert re.fullmatch(r"Alice is (.*) years and (.*)\.", text, re.S) and streamed == text
+
+
+def test_completion_edit_renoises_only_the_span(openai_client):
+    draft = "The quick brown fox jumps over the lazy dog."
+    text, streamed = _completion(openai_client, dgemma_edit=draft, dgemma_renoise=[[4, 9]])
+    assert text.startswith("The") and text.endswith(" brown fox jumps over the lazy dog.") and streamed == text
+    text, streamed = _completion(openai_client, dgemma_edit=draft, dgemma_renoise=0.3)
+    assert text != draft and streamed == text
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"dgemma_template": "no holes"}, "dgemma_template", "no hole"),
+    ({"dgemma_template": "[[hole:9999]]"}, "dgemma_template", "9999"),
+    ({"dgemma_template": "a [[hole]]", "suffix": "x"}, "dgemma_template", "one of"),
+    ({"dgemma_renoise": 0.3}, "dgemma_edit", "edit with renoise"),
+    ({"dgemma_edit": "abc", "dgemma_renoise": 1.5}, "dgemma_renoise", "fraction"),
+    ({"dgemma_edit": "abc", "dgemma_renoise": [[1]]}, "dgemma_renoise", "spans"),
+    ({"dgemma_edit": "abc"}, "dgemma_edit", "renoise"),
+])
+def test_bad_templates_and_edits_are_400s_naming_the_field(openai_client, extra, param, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        openai_client.completions.create(model="tiny", prompt="The story:", max_tokens=8, extra_body=extra)
+    assert e.value.body["param"] == param and words in e.value.body["message"], e.value.body

@@ -23,3 +23,16 @@ def response_grammar(fmt: dict[str, Any] | None, param: str = "response_format")
                                       '"schema": {...}}}', param)
         return Grammar.json_schema(spec["schema"], param)
     raise SamplingParamsError(f"response_format type {kind!r} must be text, json_object or json_schema", param)
+
+
+# a completion's seeded-canvas fields -> the options of Model.params, and back (to name them in errors)
+SEEDED = {"suffix": "suffix", "dgemma_template": "template", "dgemma_edit": "edit", "dgemma_renoise": "renoise"}
+SEEDED_PARAMS = {option: field for field, option in SEEDED.items()}
+
+
+def seeded_options(fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields that are set, as `Model.params` options (renoise spans as (start, end) pairs)."""
+    out = {SEEDED[k]: v for k, v in fields.items() if v is not None and k in SEEDED}
+    if isinstance(out.get("renoise"), list):
+        out["renoise"] = [tuple(span) for span in out["renoise"]]
+    return out

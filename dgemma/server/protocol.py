@@ -12,7 +12,7 @@ from pydantic_core import PydanticCustomError
 
 from dgemma.sampling import Grammar, SamplingParamsError
 from dgemma.server import tools as tool_calls
-from dgemma.server.formats import response_grammar
+from dgemma.server.formats import SEEDED, response_grammar, seeded_options
 
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
@@ -42,10 +42,11 @@ def _one_of(message: str) -> WrapValidator:
 
 
 Text = Annotated[str, AfterValidator(_valid_text)]
-TokenIds = list[int]
-Prompt = Annotated[Text | list[Text] | TokenIds | list[TokenIds], _one_of(
+Prompt = Annotated[Text | list[Text] | list[int] | list[list[int]], _one_of(
     "must be a string, a list of strings, a list of token ids, or a list of token-id lists")]
 Stop = Annotated[Text | list[Text], _one_of("must be a string or a list of strings")]
+Renoise = Annotated[float | list[Annotated[list[int], Field(min_length=2, max_length=2)]], _one_of(
+    "must be a fraction in (0, 1] or a list of [start, end] character spans")]
 
 
 def _text(raw: bytes) -> str:
@@ -124,8 +125,8 @@ class OpenAIRequest(_Strict):
         """The grammar the output must match (chat's response_format); None: free text."""
         return None
 
-    def seeded(self) -> dict[str, str]:
-        """Seeded-canvas options for `Model.params` (a completion's suffix)."""
+    def seeded(self) -> dict[str, Any]:
+        """Seeded-canvas options for `Model.params` (a completion's suffix, template or edit)."""
         return {}
 
     def logprob_count(self) -> int | None:
@@ -154,6 +155,12 @@ class CompletionRequest(OpenAIRequest):
     suffix: Text | None = Field(None, description=(
         "infill: the text after the completion, held fixed in the canvas while the text between prompt and suffix "
         "(at most max_tokens tokens) is generated; the response holds that middle text"))
+    dgemma_template: Text | None = Field(None, description="dgemma extension: the completion as a text with "
+                                         "holes ([[hole]], [[hole:N]]), its fixed text frozen; returns it filled")
+    dgemma_edit: Text | None = Field(None, description="dgemma extension: a draft to edit in place (with "
+                                     "dgemma_renoise); returns the edited draft")
+    dgemma_renoise: Renoise | None = Field(None, description="dgemma extension: the fraction in (0, 1] "
+                                                      "of the draft's tokens to renoise, or [start, end] spans")
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.echo:
@@ -162,8 +169,8 @@ class CompletionRequest(OpenAIRequest):
             return "best_of", "best_of > 1"
         return super().unsupported()
 
-    def seeded(self) -> dict[str, str]:
-        return {"suffix": self.suffix} if self.suffix else {}
+    def seeded(self) -> dict[str, Any]:
+        return seeded_options({k: getattr(self, k) for k in SEEDED})
 
     def logprob_count(self) -> int | None:
         return self.logprobs

@@ -20,6 +20,7 @@ from dgemma.errors import DgemmaError
 from dgemma.sampling import MAX_SEED, SamplingParams, SamplingParamsError
 from dgemma.server.config import ServerConfig
 from dgemma.server.errors import ApiError, bad_request, unsupported
+from dgemma.server.formats import SEEDED_PARAMS
 from dgemma.server.metrics import Metrics
 from dgemma.server.protocol import OpenAIRequest
 from dgemma.server.worker import Job, Sink, Worker
@@ -173,7 +174,7 @@ class Service:
         plans, prompt_tokens = [], 0
         tokens_param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
         names = {"prompt": param, "max_new_tokens": tokens_param}
-        names |= {k: f"dgemma_sampling.{k}" for k in _overrides(body)}
+        names |= {k: f"dgemma_sampling.{k}" for k in _overrides(body)} | SEEDED_PARAMS
         limit = self.model.prompt_limit(self.config.limits)
         for prompt in prompts:
             try:
