@@ -87,6 +87,9 @@ def test_template_calls_are_sentences_of_the_grammar(tokenizer, name, arguments)
     row = vocab.matcher(syntax.grammar("required", tools, parallel=True), (1,))
     assert row.matcher.try_consume_tokens(ids + ids) == 2 * len(ids) and row.matcher.is_accepting()
     assert syntax.parse(ids + ids, tokenizer.decode) == [(name, arguments)] * 2
+    cut = ids + ids[:-2]  # a reply cut by max_tokens inside its second call
+    assert syntax.parse(cut, tokenizer.decode) is None
+    assert syntax.parse(cut, tokenizer.decode, whole=False) == [(name, arguments)]
     single = vocab.matcher(syntax.grammar("required", tools, parallel=False), (1,))
     assert single.matcher.try_consume_tokens(ids + ids) == len(ids)  # one call only
 

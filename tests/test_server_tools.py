@@ -4,6 +4,8 @@ the tool's schema, several calls per reply unless parallel_tool_calls is false, 
 delta each with its index, a follow-up turn with the call and a tool result is rendered into the prompt, bad
 tools / tool_choice are 400s naming the field."""
 
+import json
+
 import pytest
 
 from server_fixtures import check_tool_calls, streamed_tool_calls
@@ -98,3 +100,15 @@ def test_auto_is_a_call_or_plain_text(openai_client):
             check_tool_calls(choice, SCHEMAS)
         else:
             assert choice.message.tool_calls is None and not choice.message.content.startswith("{")
+
+
+def test_a_reply_cut_by_max_tokens_keeps_its_complete_calls():
+    from dgemma.server.tools import ToolUse
+
+    use = ToolUse.of(TOOLS, "required", None, None, False)
+    text = '{"name":"get_time","arguments":{"zone":3}}\n{"name":"get_weather","arguments":{"ci'
+    message, reason = use.reply(text, [], "length", None)
+    assert reason == "length" and [c["function"]["name"] for c in message["tool_calls"]] == ["get_time"]
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"zone": 3}
+    assert use.reply(text.split("\n")[0], [], "stop", None)[1] == "tool_calls"
+    assert use.reply(text, [], "stop", None) == ({"role": "assistant", "content": text}, "stop")

@@ -67,8 +67,9 @@ class GemmaSyntax:
         return Grammar.lark("\n".join(top + rules.lines) + "\n" + rules.any_rules(), "tools")
 
     # ---- reading calls back ----------------------------------------------------------------------------------
-    def parse(self, ids: list[int], decode: Any) -> list[tuple[str, Any]] | None:
-        """[(name, arguments)] of a reply made only of calls, or None (text, or calls cut short)."""
+    def parse(self, ids: list[int], decode: Any, whole: bool = True) -> list[tuple[str, Any]] | None:
+        """[(name, arguments)] of a reply made only of calls, or None (text, or calls cut short). `whole=False`
+        (a reply cut by max_tokens): the complete calls before the cut."""
         items: list[Any] = []
         run: list[int] = []
         for t in [*ids, -1]:
@@ -78,10 +79,7 @@ class GemmaSyntax:
                 run = []
             else:
                 run.append(t)
-        try:
-            return _Reader(items[:-1], self).calls()
-        except (ValueError, IndexError):
-            return None
+        return _Reader(items[:-1], self).calls(whole)
 
 
 class _Rules:
@@ -239,16 +237,23 @@ class _Reader:
             out.append(self.take())
         return "".join(out)
 
-    def calls(self) -> list[tuple[str, Any]] | None:
+    def calls(self, whole: bool) -> list[tuple[str, Any]] | None:
         calls = []
         while self.pos < len(self.items):
-            self.take(self.s.call)
-            head = self.until("{")
-            if not head.startswith("call:"):
-                raise ValueError("not a call")
-            calls.append((head[len("call:"):], self.mapping()))
-            self.take(self.s.end)
+            try:
+                calls.append(self.call())
+            except (ValueError, IndexError):
+                return None if whole else calls or None
         return calls or None
+
+    def call(self) -> tuple[str, Any]:
+        self.take(self.s.call)
+        head = self.until("{")
+        if not head.startswith("call:"):
+            raise ValueError("not a call")
+        call = (head[len("call:"):], self.mapping())
+        self.take(self.s.end)
+        return call
 
     def mapping(self) -> dict[str, Any]:
         self.take("{")

@@ -82,14 +82,15 @@ class ToolUse:
         return render(messages, self.mode, self.tools, self.parallel)
 
     def reply(self, text: str, ids: list[int], reason: str, decode: Any) -> tuple[dict[str, Any], str]:
-        """A finished choice's assistant message and finish reason: a reply of whole calls becomes `tool_calls`."""
-        calls = None
-        if self.mode != "none" and reason == "stop":
-            calls = self.syntax.parse(ids, decode) if self.syntax is not None else parse_calls(text, self.tools)
+        """A finished choice's assistant message and finish reason: a reply of whole calls becomes `tool_calls`
+        (finish reason "tool_calls"); one cut by max_tokens keeps its complete calls (finish reason "length")."""
+        calls, whole = None, reason == "stop"
+        if self.mode != "none" and reason in ("stop", "length"):
+            calls = self.syntax.parse(ids, decode, whole) if self.syntax else parse_calls(text, self.tools, whole)
         if not calls:
             return {"role": "assistant", "content": text}, reason
         return {"role": "assistant", "content": None, "tool_calls": [openai_call(n, a) for n, a in calls]}, \
-            "tool_calls"
+            "tool_calls" if whole else reason
 
 
 def missing(field: str, message: dict[str, Any]) -> str | None:
@@ -155,16 +156,17 @@ def render_result(name: str | None, call_id: str, content: str) -> str:
     return f"Result of function {name or '?'} (call {call_id}):\n{content}"
 
 
-def parse_calls(text: str, tools: list[dict[str, Any]]) -> list[tuple[str, Any]] | None:
-    """[(name, arguments)] of a reply made of JSON calls, one per line, or None when the reply is text."""
+def parse_calls(text: str, tools: list[dict[str, Any]], whole: bool = True) -> list[tuple[str, Any]] | None:
+    """[(name, arguments)] of a reply made of JSON calls, one per line, or None when the reply is text.
+    `whole=False` (a reply cut by max_tokens): the complete calls before the cut."""
     names, calls = {t["name"] for t in tools}, []
     for line in text.split("\n"):
         try:
             obj = json.loads(line)
         except json.JSONDecodeError:
-            return None
+            obj = None
         if not isinstance(obj, dict) or obj.get("name") not in names:
-            return None
+            return None if whole else calls or None
         calls.append((obj["name"], obj.get("arguments", {})))
     return calls
 
