@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from server_fixtures import (check_tool_calls, openai_server, served_checkpoint, streamed_tool_calls,
+from server_fixtures import (check_tool_calls, load_with_eos, openai_server, served_checkpoint, streamed_tool_calls,
                              write_tokenizer)
 
 openai = pytest.importorskip("openai")
@@ -103,6 +103,30 @@ def test_json_arguments_are_not_the_native_syntax(tokenizer):
     row = GrammarVocab(tokenizer.tok.to_str(), 384, (1,)).matcher(
         GemmaSyntax.of(tokenizer).grammar("required", tools, True), (1,))
     assert row.matcher.try_consume_tokens(ids) < len(ids)
+
+
+def test_random_schemas_in_the_native_syntax_always_validate(checkpoint, tokenizer):
+    """Calls generated on the random-weight model under the native grammar parse back and validate, whatever the
+    model does (random schemas: nested objects, arrays, enums, ranges, patterns, optional properties)."""
+    from dgemma.bench.schemas import random_schemas
+    from dgemma.server.gemma_tools import GemmaSyntax
+
+    model, syntax = load_with_eos(checkpoint), GemmaSyntax.of(tokenizer)
+    schemas = random_schemas(16, seed=3)
+    ids = model.encode_prompt(CHAT, tools=TOOLS)
+    runner = model.runner("diffusion", "fast", max_batch=len(schemas))
+    grammars = [syntax.grammar("required", [{"name": f"f{i}", "parameters": s}], parallel=i % 2 == 0)
+                for i, s in enumerate(schemas)]
+    reqs = [runner.add_request(ids, model.params(grammar=g, seed=i, max_new_tokens=400))
+            for i, g in enumerate(grammars)]
+    for _ in runner.stream():
+        pass
+    for i, (req, schema) in enumerate(zip(reqs, schemas)):
+        calls = syntax.parse(req.output, tokenizer.decode)
+        assert req.finish_reason == "stop" and calls and (i % 2 == 0 or len(calls) == 1), req.output
+        for name, arguments in calls:
+            assert name == f"f{i}"
+            jsonschema_rs.validate(schema, arguments)
 
 
 def test_required_named_and_single_calls(served):

@@ -159,18 +159,18 @@ class _Rules:
         return '"true" | "false"' if kind == "boolean" else '"null"'
 
     def _string(self, schema: dict[str, Any]) -> str:
+        """Raw text between quote tokens; the empty string as its own alternative (a lexeme is never empty)."""
         if "pattern" in schema:
-            body = re.sub(r"^\^|(?<!\\)\$$", "", schema["pattern"]).replace("/", "\\/")
-            term = f"/(?:{body})/"
+            body = re.sub(r"^\^|(?<!\\)\$$", "", schema["pattern"])
+            term, empty = "/(?:" + body.replace("/", "\\/") + ")/", _matches_empty(body)
         else:
             low, high = max(1, schema.get("minLength", 0)), schema.get("maxLength", "")
             if high == 0:
                 return f"{self.q} {self.q}"
-            term = f"/[\\s\\S]{{{low},{high}}}/"
+            term, empty = f"/[\\s\\S]{{{low},{high}}}/", schema.get("minLength", 0) == 0
         name = f"S{len(self.lines)}"
         self.lines.append(f"{name}: {term}")
-        empty = f"{self.q} {self.q} | " if schema.get("minLength", 0) == 0 else ""
-        return f"{empty}{self.q} {name} {self.q}"
+        return f"{self.q} {self.q} | " * empty + f"{self.q} {name} {self.q}"
 
     def _items(self, schema: dict[str, Any], where: str) -> str:
         """Sorted properties, the required ones always, each optional one present or not, comma separated:
@@ -193,10 +193,10 @@ class _Rules:
     def _array(self, schema: dict[str, Any], where: str) -> str:
         item = self.value(schema.get("items", True), f"{where}.items")
         low, high = schema.get("minItems", 0), schema.get("maxItems")
-        more = f'("," {item}){{{max(low - 1, 0)},{"" if high is None else high - 1}}}'
         if high == 0:
             return '"[" "]"'
-        return ('"[" "]" | ' if low == 0 else "") + f'"[" {item} {more} "]"'
+        more = "" if high == 1 else f'("," {item}){{{max(low - 1, 0)},{"" if high is None else high - 1}}} '
+        return ('"[" "]" | ' if low == 0 else "") + f'"[" {item} {more}"]"'
 
     def _ref(self, ref: str, where: str) -> str:
         name = ref.rsplit("/", 1)[-1]
@@ -211,6 +211,13 @@ class _Rules:
 def _types(schema: dict[str, Any]) -> list[str]:
     kind = schema.get("type")
     return [kind] if isinstance(kind, str) else list(kind or [])
+
+
+def _matches_empty(pattern: str) -> bool:
+    try:
+        return re.fullmatch(pattern, "") is not None
+    except re.error:
+        return False
 
 
 def _lit(text: str) -> str:
