@@ -30,7 +30,8 @@ NESTED = {"type": "object", "properties": {
     "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
     "opts": {"type": "object", "properties": {"deep": {"type": "boolean"}, "n": {"type": "number"}},
              "required": ["deep"]},
-    "mode": {"anyOf": [{"type": "integer"}, {"enum": ["x", "y z"]}]}}, "required": ["tags"]}
+    "mode": {"anyOf": [{"type": "integer"}, {"enum": ["x", "y z"]}]}, "note": {"type": ["string", "null"]}},
+    "required": ["tags"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather now", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "description": "time now", "parameters": TIME}}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME, "search": NESTED}
@@ -73,7 +74,7 @@ def _template_call(tokenizer, name, arguments):
     ("get_time", {"zone": -3}),
     ("get_time", {"zone": 14, "dst": True}),
     ("search", {"tags": ["a", "b c"], "opts": {"deep": False, "n": 1.5}, "mode": "y z"}),
-    ("search", {"tags": [], "mode": 7}),
+    ("search", {"tags": [], "mode": 7, "note": None}),
 ])
 def test_template_calls_are_sentences_of_the_grammar(tokenizer, name, arguments):
     from dgemma.sampling.constraints import GrammarVocab
@@ -164,14 +165,16 @@ def test_streamed_calls(served):
         [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
 
 
-def test_tool_result_follow_up(served, tokenizer):
+@pytest.mark.parametrize("choice", ["auto", "none"])
+def test_tool_result_follow_up(served, tokenizer, choice):
     _, client = served
     first = client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, tool_choice="required",
                                            max_tokens=200, seed=6)
     calls = first.choices[0].message.tool_calls
     results = [{"role": "tool", "tool_call_id": c.id, "content": '{"sky": "sunny", "c": 21}'} for c in calls]
     follow = CHAT + [{"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]}] + results
-    r = client.chat.completions.create(model="tiny", messages=follow, tools=TOOLS, max_tokens=8, seed=6)
+    r = client.chat.completions.create(model="tiny", messages=follow, tools=TOOLS, tool_choice=choice, max_tokens=8,
+                                       seed=6)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     # Gemma 4's own form: the calls with argument objects and their results as tool_responses of that turn
     native = CHAT + [{"role": "assistant", "content": "", "tool_calls": [

@@ -25,7 +25,8 @@ BY_TYPE = {"string": {"minLength", "maxLength", "pattern"}, "integer": {"minimum
            "exclusiveMaximum", "multipleOf"}, "object": {"properties", "required"}, "array": {"items", "minItems",
            "maxItems"}, "boolean": set(), "null": set()}
 BY_TYPE["number"] = BY_TYPE["integer"]
-ANY = r"""any: str_any | NUMBER | "true" | "false" | "null" | obj_any | arr_any
+NULL = '("null" | "None")'  # JSON's, and what the template writes for a None argument
+ANY = r"""any: str_any | NUMBER | "true" | "false" | """ + NULL + r""" | obj_any | arr_any
 str_any: {q} {q} | {q} ANY_STR {q}
 obj_any: "{{" any_items? "}}"
 any_items: KEY ":" any ("," KEY ":" any)*
@@ -140,7 +141,7 @@ class _Rules:
             return '"{" ' + ' "," '.join(parts) + ' "}"'
         if isinstance(v, list):
             return '"[" ' + ' "," '.join(self.literal(x) for x in v) + ' "]"'
-        return _lit(json.dumps(v))
+        return NULL if v is None else _lit(json.dumps(v))
 
     def _typed(self, kind: str, schema: dict[str, Any], where: str) -> str:
         allowed = NOTES | COMMON | BY_TYPE.get(kind, set())
@@ -156,7 +157,7 @@ class _Rules:
             return f'"{{" {self._items(schema, where)} "}}"'
         if kind == "array":
             return self._array(schema, where)
-        return '"true" | "false"' if kind == "boolean" else '"null"'
+        return '"true" | "false"' if kind == "boolean" else NULL
 
     def _string(self, schema: dict[str, Any]) -> str:
         """Raw text between quote tokens; the empty string as its own alternative (a lexeme is never empty)."""
@@ -292,7 +293,8 @@ class _Reader:
                     self.take()
             self.take("]")
             return out
-        return json.loads(self.until(",}]"))
+        bare = self.until(",}]")
+        return None if bare == "None" else json.loads(bare)
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -63,8 +63,8 @@ class ToolUse:
                                       'tool_choice "none")', "response_format")
         if kind != "none" and logprobs:
             raise SamplingParamsError("logprobs are not supported with tools", "logprobs")
-        syntax = GemmaSyntax.of(tokenizer) if kind != "none" else None
-        use = cls(kind, callable_tools, parallel is not False, tools if syntax else None, syntax)
+        syntax = GemmaSyntax.of(tokenizer)  # also for "none": earlier calls and results keep the native form
+        use = cls(kind, callable_tools, parallel is not False, (tools or None) if syntax else None, syntax)
         use.grammar()  # a schema the syntax cannot follow: a 400 before any model work
         return use
 
