@@ -114,9 +114,10 @@ class Model:
     # ---- inputs -----------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, max_tokens: int | None = None,
                       tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Text, chat messages (with `tools` for a template that declares them) or ids -> checked ids. With `max_tokens`, a prompt that cannot fit in that many
-        tokens (more characters than that many of the longest token hold, x CHAR_MARGIN) is refused before
-        any tokenizing or templating, so its cost is bounded by the limit, not by its length."""
+        """Text, chat messages (with `tools` for a template that declares them) or ids -> checked ids. With
+        `max_tokens`, a prompt that cannot fit in that many tokens (more characters than that many of the
+        longest token hold, x CHAR_MARGIN) is refused before any tokenizing or templating, so its cost is bounded
+        by the limit, not by its length."""
         if isinstance(prompt, (str, list)) and not prompt:
             raise SamplingParamsError("empty prompt", "prompt")
         if max_tokens is not None:

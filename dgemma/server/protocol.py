@@ -275,7 +275,7 @@ class ChatCompletionRequest(OpenAIRequest):
         return next(((name, name.replace("_", " ")) for name, asked in asks.items() if asked), None)
 
     def chat(self) -> list[dict[str, str]]:
-        """Messages for the chat template; "developer" is the newer name of "system"; with tools, see tools.render."""
+        """Messages for the chat template ("developer" is the newer name of "system"); with tools: ToolUse.messages."""
         plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
                   "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id} for m in self.messages]
         return self.tool_use().messages(plain)
