@@ -123,10 +123,12 @@ class Model:
         self.max_context = text.max_position_embeddings
 
     # ---- inputs -----------------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: Prompt, max_tokens: int | None = None) -> list[int]:
-        """Text, chat messages or ids -> checked ids. With `max_tokens`, a prompt that cannot fit in that many
-        tokens (more characters than that many of the longest token hold, x CHAR_MARGIN) is refused before
-        any tokenizing or templating, so its cost is bounded by the limit, not by its length."""
+    def encode_prompt(self, prompt: Prompt, max_tokens: int | None = None,
+                      tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Text, chat messages (with `tools` for a template that declares them) or ids -> checked ids. With
+        `max_tokens`, a prompt that cannot fit in that many tokens (more characters than that many of the
+        longest token hold, x CHAR_MARGIN) is refused before any tokenizing or templating, so its cost is bounded
+        by the limit, not by its length."""
         if isinstance(prompt, (str, list)) and not prompt:
             raise SamplingParamsError("empty prompt", "prompt")
         if max_tokens is not None:
@@ -134,7 +136,7 @@ class Model:
         if isinstance(prompt, str):
             ids = self._require_tokenizer().encode(prompt)
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self._require_tokenizer().encode_chat(list(prompt))
+            ids = self._require_tokenizer().encode_chat(list(prompt), tools)
         elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
         else:

@@ -77,7 +77,9 @@ class Tokenizer:
             self._pieces.update(zip(missing, self.tok.decode_batch([[i] for i in missing], skip_special_tokens=False)))
         return [self._pieces[i] for i in ids]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """The template's text; `tools` (OpenAI tool objects) is passed to templates that declare tools."""
         if not self.chat_template:
             raise DgemmaError("this checkpoint has no chat template; send a plain prompt instead")
         from jinja2 import TemplateError
@@ -88,12 +90,12 @@ class Tokenizer:
         try:
             return env.from_string(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token, eos_token=self.eos_token)
+                bos_token=self.bos_token, eos_token=self.eos_token, **({"tools": tools} if tools else {}))
         except TemplateError as e:
             raise DgemmaError(f"chat template failed: {e}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.encode(self.apply_chat_template(messages), add_bos=False)
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, tools=tools), add_bos=False)
 
 
 class IncrementalDecoder:

@@ -1,8 +1,29 @@
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 # The test models are tiny: threading overhead would dominate, and the machine is shared.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def served_pair(tmp_path_factory):
+    """(server, openai client) of the served tiny checkpoint with EOS id 1, one per test module."""
+    from server_fixtures import openai_server, served_checkpoint
+
+    pytest.importorskip("openai")
+    with openai_server(served_checkpoint(tmp_path_factory), max_concurrency=8) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def eos_server(served_pair):
+    return served_pair[0]
+
+
+@pytest.fixture(scope="module")
+def openai_client(served_pair):
+    return served_pair[1]

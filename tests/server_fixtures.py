@@ -3,6 +3,7 @@ template) and a live uvicorn server on a free loopback port."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -23,24 +24,27 @@ CORPUS = [
 ] * 20
 
 
-def write_tokenizer(directory: Path, vocab_size: int) -> None:
+def write_tokenizer(directory: Path, vocab_size: int, specials: tuple[str, ...] = (),
+                    template: str = CHAT_TEMPLATE) -> None:
+    """A byte-level BPE trained on CORPUS: <pad> 0, <eos> 1, <bos> 2, then `specials` (special tokens too)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<eos>", "<bos>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<eos>", "<bos>", *specials],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(CORPUS, trainer)
     assert tok.get_vocab_size() <= vocab_size and tok.token_to_id("<eos>") == 1
     tok.save(str(directory / "tokenizer.json"))
     config = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "add_bos_token": True,
-              "chat_template": CHAT_TEMPLATE}
+              "chat_template": template}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def build_served_checkpoint(directory: Path, max_new_tokens: int = 16, steps: int = 12) -> Path:
-    """Config "a" (vocab 384, canvas 8) with a tokenizer and short defaults, built once per directory.
+def build_served_checkpoint(directory: Path, max_new_tokens: int = 16, steps: int = 12, **tokenizer) -> Path:
+    """Config "a" (vocab 384, canvas 8) with a tokenizer (`write_tokenizer`'s options) and short defaults, built
+    once per directory.
     Its generation config has no EOS ids, so requests run to max_tokens (random weights emit <eos> after
     30-180 tokens); `load_with_eos` serves the same weights with EOS ids."""
     from reference import CONFIGS, build_reference
@@ -49,7 +53,7 @@ def build_served_checkpoint(directory: Path, max_new_tokens: int = 16, steps: in
         return directory
     directory.mkdir(parents=True, exist_ok=True)
     build_reference("a", directory)
-    write_tokenizer(directory, CONFIGS["a"]["text"]["vocab_size"])
+    write_tokenizer(directory, CONFIGS["a"]["text"]["vocab_size"], **tokenizer)
     generation = {"max_new_tokens": max_new_tokens, "max_denoising_steps": steps, "eos_token_id": []}
     (directory / "generation_config.json").write_text(json.dumps(generation))
     return directory
@@ -125,6 +129,44 @@ def start_server(checkpoint: Path, loader=None, ready: bool = True, **config) ->
     config.setdefault("model_name", "tiny")
     app = create_app(ServerConfig(**config), loader or (lambda: dgemma.load(checkpoint)))
     return LiveServer(app).start(ready=ready)
+
+
+@contextlib.contextmanager
+def openai_server(checkpoint: Path, **config):
+    """(a live server of `checkpoint` with EOS id 1, an `openai` client for it), stopped on exit."""
+    import openai
+
+    server = start_server(checkpoint, loader=lambda: load_with_eos(checkpoint), **config)
+    try:
+        yield server, openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    finally:
+        server.stop()
+
+
+def check_tool_calls(choice, schemas: dict, name: str | None = None, count: int | None = None) -> None:
+    """A choice that ended in calls (`count` of them when given), each to `name` when given, with an id and
+    arguments that validate against that tool's schema in `schemas`."""
+    import jsonschema_rs
+
+    calls = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert count is None or len(calls) == count
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert name is None or call.function.name == name
+        jsonschema_rs.validate(schemas[call.function.name], json.loads(call.function.arguments))
+
+
+def streamed_tool_calls(client, **kwargs):
+    """(the tool-call deltas, the last finish reason) of a streamed chat reply, and the same request's whole
+    reply (its first choice)."""
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    deltas, reasons = [], []
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            deltas += c.delta.tool_calls or []
+            reasons.append(c.finish_reason)
+    return deltas, reasons[-1], whole
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.02) -> bool:

@@ -110,7 +110,8 @@ BAD = [
         "name": "x", "schema": {"type": "strin"}}}}, 400, "response_format"),
     ("functions", X, {"messages": CHAT, "functions": [{"name": "f"}]}, 400, "functions"),
     ("function_call", X, {"messages": CHAT, "function_call": {"name": "f"}}, 400, "function_call"),
-    ("parallel tool calls", X, {"messages": CHAT, "parallel_tool_calls": True}, 400, "parallel_tool_calls"),
+    ("parallel_tool_calls not a bool", X, {"messages": CHAT, "parallel_tool_calls": "yes"}, 400,
+     "parallel_tool_calls"),
     ("audio modality", X, {"messages": CHAT, "modalities": ["text", "audio"]}, 400, "modalities"),
     ("audio", X, {"messages": CHAT, "audio": {"voice": "alloy", "format": "wav"}}, 400, "audio"),
     ("prediction", X, {"messages": CHAT, "prediction": {"type": "content", "content": "x"}}, 400, "prediction"),
@@ -137,7 +138,7 @@ def test_bad_input(server, path, body, status, param):
 @pytest.mark.parametrize("stream", [False, True])
 def test_unknown_fields_are_named_in_a_header(server, stream):
     """Fields OpenAI does not define are ignored and listed in X-Dgemma-Ignored-Fields; defaults of the refused
-    ones (text-only modalities, no parallel tool calls) are accepted."""
+    ones (text-only modalities) are accepted."""
     body = {"messages": CHAT, "max_tokens": 2, "stream": stream, "my_vendor_option": 1, "another": "x",
             "modalities": ["text"], "parallel_tool_calls": False}
     with httpx.stream("POST", server.url + X, json=body, timeout=60) as r:

@@ -130,8 +130,9 @@ def _routes(api: APIRouter, service: Service) -> None:
     @api.post("/v1/chat/completions", response_model=None,
               responses=_responses(ChatCompletionResponse, 400, 401, 404, 408, 413, 429, 503, stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        try:
-            messages = body.chat()  # checks tools / tool_choice first: a 400 naming the field, before model work
+        try:  # tools / tool_choice checked first (the loaded tokenizer picks the syntax): a 400 before model work
+            body.tool_use(service.model.tokenizer if service.model is not None else None)
+            messages = body.chat()
         except SamplingParamsError as e:
             raise errors.bad_request(str(e), e.param) from None
         generation = await service.generate(body, [messages], "messages", "chatcmpl")
@@ -176,10 +177,10 @@ async def _respond(gen: Generation, body: Any, request: Request, chat: bool) -> 
     if results is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     choices = []
-    for i, (text, reason, entries) in enumerate(results):
+    for i, (text, reason, entries, ids) in enumerate(results):
         logprobs = None if entries is None else body.format_logprobs(entries, gen.service.model.token_bytes, 0)
         if chat:
-            message, reason = body.reply(text, reason)
+            message, reason = body.tool_use().reply(text, ids, reason, gen.service.model.tokenizer.decode)
             choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
         else:
             choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason})
@@ -220,15 +221,18 @@ async def _events(gen: Generation, chunks: Chunks, outputs: AsyncIterator[Any], 
         for i in range(gen.n):
             yield _data(chunks.choice(i, role=True))
     shown = [0] * gen.n  # characters sent per choice (completions' text_offset)
-    held = [""] * gen.n if chunks.chat and body.tool_mode()[0] != "none" else None  # a call is sent whole
+    tools = body.tool_use() if chunks.chat else None
+    held = [""] * gen.n if tools is not None and tools.mode != "none" else None  # calls are read at the end
     async for out in outputs:
         if out.kind == "start":
             continue
         if held is not None and out.kind in ("text", "finish"):
-            held[out.index] += out.text if out.kind == "text" else ""
+            held[out.index] += out.text
             if out.kind == "finish":
-                message, reason = body.reply(held[out.index], out.finish_reason)
-                yield _data(chunks.choice(out.index, finish_reason=reason, message=message))
+                decode = gen.service.model.tokenizer.decode
+                reply = tools.reply(held[out.index], out.token_ids, out.finish_reason, decode)
+                for chunk in _reply_chunks(chunks, out, reply):
+                    yield chunk
             continue
         if out.kind == "text" and out.logprobs is not None:
             logprobs = body.format_logprobs(out.logprobs, gen.service.model.token_bytes, shown[out.index])
@@ -247,6 +251,15 @@ async def _events(gen: Generation, chunks: Chunks, outputs: AsyncIterator[Any], 
     if chunks.include_usage:
         yield _data(chunks.usage(gen.usage()))
     yield DONE
+
+
+def _reply_chunks(chunks: Chunks, out: Any, reply: tuple[dict[str, Any], str]) -> list[bytes]:
+    """A held-back reply: its text as one delta, or each tool call as its own delta (with its index); then the
+    finish reason."""
+    message, reason = reply
+    deltas = [chunks.choice(out.index, call=(i, c)) for i, c in enumerate(message.get("tool_calls") or ())]
+    deltas = deltas or [chunks.choice(out.index, message["content"])] * bool(message["content"])
+    return [_data(d) for d in deltas + [chunks.choice(out.index, finish_reason=reason)]]
 
 
 def _data(obj: dict[str, Any]) -> bytes:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator,
-                      field_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo,
+                      WrapValidator, field_validator)
 from pydantic_core import PydanticCustomError
 
 from dgemma.sampling import Grammar, SamplingParamsError
 from dgemma.server import tools as tool_calls
+from dgemma.server.formats import SEEDED, response_grammar, seeded_options
 
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
@@ -41,10 +42,11 @@ def _one_of(message: str) -> WrapValidator:
 
 
 Text = Annotated[str, AfterValidator(_valid_text)]
-TokenIds = list[int]
-Prompt = Annotated[Text | list[Text] | TokenIds | list[TokenIds], _one_of(
+Prompt = Annotated[Text | list[Text] | list[int] | list[list[int]], _one_of(
     "must be a string, a list of strings, a list of token ids, or a list of token-id lists")]
 Stop = Annotated[Text | list[Text], _one_of("must be a string or a list of strings")]
+Renoise = Annotated[float | list[Annotated[list[int], Field(min_length=2, max_length=2)]], _one_of(
+    "must be a fraction in (0, 1] or a list of [start, end] character spans")]
 
 
 def _text(raw: bytes) -> str:
@@ -123,12 +125,16 @@ class OpenAIRequest(_Strict):
         """The grammar the output must match (chat's response_format); None: free text."""
         return None
 
-    def seeded(self) -> dict[str, str]:
-        """Seeded-canvas options for `Model.params` (a completion's suffix)."""
+    def seeded(self) -> dict[str, Any]:
+        """Seeded-canvas options for `Model.params` (a completion's suffix, template or edit)."""
         return {}
 
     def logprob_count(self) -> int | None:
         """Alternatives per token for `SamplingParams.logprobs`; None: no logprobs."""
+        return None
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """Tools for a chat template that declares them (the checkpoint's own tool syntax)."""
         return None
 
     def format_logprobs(self, entries: list, token_bytes: Any, offset: int) -> dict[str, Any]:
@@ -149,6 +155,12 @@ class CompletionRequest(OpenAIRequest):
     suffix: Text | None = Field(None, description=(
         "infill: the text after the completion, held fixed in the canvas while the text between prompt and suffix "
         "(at most max_tokens tokens) is generated; the response holds that middle text"))
+    dgemma_template: Text | None = Field(None, description="dgemma extension: the completion as a text with "
+                                         "holes ([[hole]], [[hole:N]]), its fixed text frozen; returns it filled")
+    dgemma_edit: Text | None = Field(None, description="dgemma extension: a draft to edit in place (with "
+                                     "dgemma_renoise); returns the edited draft")
+    dgemma_renoise: Renoise | None = Field(None, description="dgemma extension: the fraction in (0, 1] "
+                                                      "of the draft's tokens to renoise, or [start, end] spans")
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.echo:
@@ -157,8 +169,8 @@ class CompletionRequest(OpenAIRequest):
             return "best_of", "best_of > 1"
         return super().unsupported()
 
-    def seeded(self) -> dict[str, str]:
-        return {"suffix": self.suffix} if self.suffix else {}
+    def seeded(self) -> dict[str, Any]:
+        return seeded_options({k: getattr(self, k) for k in SEEDED})
 
     def logprob_count(self) -> int | None:
         return self.logprobs
@@ -207,27 +219,32 @@ class ChatCompletionRequest(OpenAIRequest):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Text | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = Field(None, description="several calls in one reply (default true)")
     response_format: dict[str, Any] | None = None
     # defined by OpenAI, not done here: refused when they ask for something
     functions: list[dict[str, Any]] | None = None
     function_call: Text | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
     modalities: list[Text] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
     reasoning_effort: Text | None = None
     web_search_options: dict[str, Any] | None = None
 
+    _tool_use: tool_calls.ToolUse | None = PrivateAttr(None)
+
     def unsupported(self) -> tuple[str, str] | None:
         return self._unsupported_extras() or super().unsupported()
 
-    def tool_mode(self) -> tuple[str, list[dict[str, Any]]]:
-        """("none" | "auto" | "required", the callable tools); raises SamplingParamsError naming the field."""
-        return tool_calls.mode(self.tools or [], self.tool_choice, self.response_format, self.logprobs)
+    def tool_use(self, tokenizer: Any = None) -> tool_calls.ToolUse:
+        """The request's tool calls, checked on the first call (SamplingParamsError naming the field);
+        `tokenizer` picks the checkpoint's own call syntax when its template has one."""
+        if self._tool_use is None:
+            self._tool_use = tool_calls.ToolUse.of(self.tools or [], self.tool_choice, self.parallel_tool_calls,
+                                                   self.response_format, self.logprobs, tokenizer)
+        return self._tool_use
 
-    def reply(self, text: str, reason: str) -> tuple[dict[str, Any], str]:
-        """The assistant message and finish reason of a finished choice: a whole call becomes `tool_calls`."""
-        return tool_calls.reply(text, reason, *self.tool_mode())
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return self.tool_use().declared
 
     def logprob_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -244,29 +261,13 @@ class ChatCompletionRequest(OpenAIRequest):
                             for t, lp, alts in entries]}
 
     def grammar(self) -> Grammar | None:
-        """response_format -> Grammar: {"type": "json_object"}, or {"type": "json_schema", "json_schema":
-        {"name": ..., "schema": {...}, "strict": ...}}; "text" or none: free text."""
-        mode, tools = self.tool_mode()
-        if mode != "none":
-            return tool_calls.grammar(mode, tools)
-        fmt, param = self.response_format, "response_format"
-        kind = None if fmt is None else fmt.get("type")
-        if kind in (None, "text"):
-            return None
-        if kind == "json_object":
-            return Grammar.json_object(param)
-        if kind == "json_schema":
-            spec = fmt.get("json_schema")
-            if not isinstance(spec, dict) or "schema" not in spec:
-                raise SamplingParamsError('response_format json_schema needs {"json_schema": {"name": ..., '
-                                          '"schema": {...}}}', param)
-            return Grammar.json_schema(spec["schema"], param)
-        raise SamplingParamsError(f"response_format type {kind!r} must be text, json_object or json_schema", param)
+        """The tools' grammar when they may be called, else response_format's (formats.response_grammar)."""
+        tools = self.tool_use().grammar()
+        return tools if tools is not None else response_grammar(self.response_format)
 
     def _unsupported_extras(self) -> tuple[str, str] | None:
         asks = {
             "functions": bool(self.functions), "function_call": self.function_call not in (None, "none", "auto"),
-            "parallel_tool_calls": bool(self.parallel_tool_calls),
             "modalities": self.modalities not in (None, ["text"]), "audio": self.audio is not None,
             "prediction": self.prediction is not None, "reasoning_effort": self.reasoning_effort is not None,
             "web_search_options": self.web_search_options is not None,
@@ -274,10 +275,10 @@ class ChatCompletionRequest(OpenAIRequest):
         return next(((name, name.replace("_", " ")) for name, asked in asks.items() if asked), None)
 
     def chat(self) -> list[dict[str, str]]:
-        """Messages for the chat template; "developer" is the newer name of "system"; with tools, see tools.render."""
+        """Messages for the chat template ("developer" is the newer name of "system"); with tools: ToolUse.messages."""
         plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
                   "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id} for m in self.messages]
-        return tool_calls.render(plain, *self.tool_mode())
+        return self.tool_use().messages(plain)
 
 
 # ---- responses (documentation and tests; the routes build plain dicts) ---------------------------------------
@@ -378,13 +379,12 @@ class Chunks:
                      "created": created, "model": model}
 
     def choice(self, index: int, text: str | None = None, finish_reason: str | None = None, role: bool = False,
-               message: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
-        """`message`: a whole reply held back until its end (tool calls), sent as one delta."""
+               call: tuple[int, dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
+        """`call`: (its index in the reply, an OpenAI tool call), sent whole as one delta."""
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            if message is not None:
-                delta = ({"tool_calls": [{"index": i} | c for i, c in enumerate(message["tool_calls"])]}
-                         if message.get("tool_calls") else {"content": message["content"]})
+            if call is not None:
+                delta = {"tool_calls": [{"index": call[0]} | call[1]]}
             item = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             item = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}

@@ -20,6 +20,7 @@ from dgemma.errors import DgemmaError
 from dgemma.sampling import MAX_SEED, SamplingParams, SamplingParamsError
 from dgemma.server.config import ServerConfig
 from dgemma.server.errors import ApiError, bad_request, unsupported
+from dgemma.server.formats import SEEDED_PARAMS
 from dgemma.server.metrics import Metrics
 from dgemma.server.protocol import OpenAIRequest
 from dgemma.server.worker import Job, Sink, Worker
@@ -56,6 +57,7 @@ class Output:
     draft: dict[str, Any] | None = None
     error: ApiError | None = None
     logprobs: list | None = None  # "text": entries of the committed ids (sampling/logprobs.py), when asked
+    token_ids: list[int] | None = None  # "finish": the choice's kept ids (to read tool calls from)
 
 
 class Service:
@@ -172,12 +174,12 @@ class Service:
         plans, prompt_tokens = [], 0
         tokens_param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
         names = {"prompt": param, "max_new_tokens": tokens_param}
-        names |= {k: f"dgemma_sampling.{k}" for k in _overrides(body)}
+        names |= {k: f"dgemma_sampling.{k}" for k in _overrides(body)} | SEEDED_PARAMS
         limit = self.model.prompt_limit(self.config.limits)
         for prompt in prompts:
             try:
                 async with self._tokenizing:  # a bounded number of worker threads; the loop never tokenizes
-                    ids = await asyncio.to_thread(self.model.encode_prompt, prompt, limit)
+                    ids = await asyncio.to_thread(self.model.encode_prompt, prompt, limit, body.template_tools())
                     params = await asyncio.to_thread(self._choice_params, body, ids)  # may compile a grammar
                 plans += [Plan(ids, p) for p in params]
             except SamplingParamsError as e:  # max_new_tokens is named as the client named it
@@ -302,12 +304,13 @@ class Generation:
                 open_choices -= out.kind in ("finish", "error")
                 yield out
 
-    async def collect(self) -> list[tuple[str, str, list | None]]:
-        """Non-streaming: (text, finish_reason, logprob entries or None) per choice, in order; raises the first
-        error."""
+    async def collect(self) -> list[tuple[str, str, list | None, list[int]]]:
+        """Non-streaming: (text, finish_reason, logprob entries or None, kept ids) per choice, in order; raises
+        the first error."""
         texts: list[list[str]] = [[] for _ in range(self.n)]
         reasons: list[str] = [""] * self.n
         entries: list[list | None] = [None] * self.n
+        ids: list[list[int]] = [[] for _ in range(self.n)]
         async for out in self.outputs():
             if out.kind == "error":
                 raise out.error
@@ -316,8 +319,8 @@ class Generation:
                 if out.logprobs is not None:
                     entries[out.index] = (entries[out.index] or []) + out.logprobs
             elif out.kind == "finish":
-                reasons[out.index] = out.finish_reason
-        return [("".join(t), r, e) for t, r, e in zip(texts, reasons, entries)]
+                reasons[out.index], ids[out.index] = out.finish_reason, out.token_ids
+        return [("".join(t), r, e, i) for t, r, e, i in zip(texts, reasons, entries, ids)]
 
     def close(self) -> None:
         unfinished = [c for c in self.choices.values() if c.finish_reason is None]
@@ -345,7 +348,7 @@ class Generation:
             self.service.worker.abort([c.request_id])  # harmless when the engine already finished it
         self._record(c)
         if item.finish_reason in ("stop", "length"):
-            return Output("finish", c.index, finish_reason=item.finish_reason)
+            return Output("finish", c.index, finish_reason=item.finish_reason, token_ids=c.output.kept_ids())
         return Output("error", c.index, error=self._error(item.finish_reason, c.tokens))
 
     def _error(self, reason: str, tokens: int) -> ApiError:

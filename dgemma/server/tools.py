@@ -1,19 +1,24 @@
-"""Tool calls on /v1/chat/completions for chat templates without tool syntax: the tools are described in a system
-block, the reply is held to a grammar built from their parameter schemas, and a JSON call in the output becomes
+"""Tool calls on /v1/chat/completions. `ToolUse` holds one request's choices (mode, callable tools, parallel calls)
+and the syntax: the checkpoint's own (Gemma 4's tool-call tokens, `gemma_tools.py`) when its chat template declares
+tools, else the documented text format here: the tools are described in a system block, the reply is held to a
+grammar built from their parameter schemas (one compact JSON call per line), and the calls in the output become
 OpenAI `tool_calls`; earlier calls and `role: "tool"` results are rendered back into the prompt as text."""
 
 from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from dgemma.sampling import Grammar, SamplingParamsError
 from dgemma.sampling.constraints import JSON_OPTIONS
+from dgemma.server.gemma_tools import GemmaSyntax, template_messages
 
 PREAMBLE = ("You can call these functions. To call one, reply with only a JSON object "
             '{"name": <function name>, "arguments": <its arguments as a JSON object>} and nothing else.')
 AUTO = "Otherwise reply with plain text (not starting with '{')."
+PARALLEL = "To call several, write one such object per line."
 
 
 def check_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -36,16 +41,56 @@ def check_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def mode(tools: list[dict[str, Any]], choice: str | dict[str, Any] | None, response_format: dict[str, Any] | None,
-         logprobs: bool) -> tuple[str, list[dict[str, Any]]]:
-    """A chat request's (mode, callable tools), its fields checked; raises SamplingParamsError naming the field."""
-    kind, callable_tools = choose(check_tools(tools), choice)
-    if kind != "none" and response_format not in (None, {"type": "text"}):
-        raise SamplingParamsError('response_format and tools both constrain the reply; send one (or tool_choice '
-                                  '"none")', "response_format")
-    if kind != "none" and logprobs:
-        raise SamplingParamsError("logprobs are not supported with tools", "logprobs")
-    return kind, callable_tools
+@dataclass
+class ToolUse:
+    """One chat request's tool calls: mode "none" (plain text), "auto" (calls or text) or "required" (calls);
+    the callable tools [{name, description, parameters}]; several calls per reply or one; the request's own
+    `tools` (for a template that declares them); the checkpoint's call syntax, or None for the text format."""
+
+    mode: str
+    tools: list[dict[str, Any]]
+    parallel: bool = True
+    declared: list[dict[str, Any]] | None = None
+    syntax: GemmaSyntax | None = None
+
+    @classmethod
+    def of(cls, tools: list[dict[str, Any]], choice: str | dict[str, Any] | None, parallel: bool | None,
+           response_format: dict[str, Any] | None, logprobs: bool, tokenizer: Any = None) -> ToolUse:
+        """The request's fields checked (SamplingParamsError naming the field); `tokenizer` picks the syntax."""
+        kind, callable_tools = choose(check_tools(tools), choice)
+        if kind != "none" and response_format not in (None, {"type": "text"}):
+            raise SamplingParamsError('response_format and tools both constrain the reply; send one (or '
+                                      'tool_choice "none")', "response_format")
+        if kind != "none" and logprobs:
+            raise SamplingParamsError("logprobs are not supported with tools", "logprobs")
+        syntax = GemmaSyntax.of(tokenizer)  # also for "none": earlier calls and results keep the native form
+        use = cls(kind, callable_tools, parallel is not False, (tools or None) if syntax else None, syntax)
+        use.grammar()  # a schema the syntax cannot follow: a 400 before any model work
+        return use
+
+    def grammar(self) -> Grammar | None:
+        if self.mode == "none":
+            return None
+        if self.syntax is not None:
+            return self.syntax.grammar(self.mode, self.tools, self.parallel)
+        return grammar(self.mode, self.tools, self.parallel)
+
+    def messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Chat messages ({role, content, tool_calls, tool_call_id}) for the chat template."""
+        if self.syntax is not None:
+            return template_messages(messages)
+        return render(messages, self.mode, self.tools, self.parallel)
+
+    def reply(self, text: str, ids: list[int], reason: str, decode: Any) -> tuple[dict[str, Any], str]:
+        """A finished choice's assistant message and finish reason: a reply of whole calls becomes `tool_calls`
+        (finish reason "tool_calls"); one cut by max_tokens keeps its complete calls (finish reason "length")."""
+        calls, whole = None, reason == "stop"
+        if self.mode != "none" and reason in ("stop", "length"):
+            calls = self.syntax.parse(ids, decode, whole) if self.syntax else parse_calls(text, self.tools, whole)
+        if not calls:
+            return {"role": "assistant", "content": text}, reason
+        return {"role": "assistant", "content": None, "tool_calls": [openai_call(n, a) for n, a in calls]}, \
+            "tool_calls" if whole else reason
 
 
 def missing(field: str, message: dict[str, Any]) -> str | None:
@@ -76,21 +121,23 @@ def choose(tools: list[dict[str, Any]], choice: str | dict[str, Any] | None) -> 
     return "required", picked
 
 
-def grammar(mode: str, tools: list[dict[str, Any]]) -> Grammar | None:
-    """A call: {"name": one tool's name, "arguments": that tool's schema}, compact JSON; "auto" also allows text
-    that does not start with "{" (a Lark alternation)."""
+def grammar(mode: str, tools: list[dict[str, Any]], parallel: bool = True) -> Grammar | None:
+    """A call: {"name": one tool's name, "arguments": that tool's schema}, compact JSON, one per line (several
+    lines when `parallel`); "auto" also allows text that does not start with "{" (a Lark alternation)."""
     if mode == "none":
         return None
     call = {"anyOf": [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
                        "required": ["name", "arguments"], "additionalProperties": False} for t in tools],
             "x-guidance": JSON_OPTIONS}
-    if mode == "required":
+    if mode == "required" and not parallel:
         return Grammar.json_schema(call, "tools")
-    return Grammar.lark(f"start: call | text\ncall: %json {json.dumps(call)}\ntext: /[^{{\\s][\\s\\S]*/\n", "tools")
+    calls = 'calls: call ("\\n" call)*' if parallel else "calls: call"
+    start = "start: calls | text" if mode == "auto" else "start: calls"
+    return Grammar.lark(f"{start}\n{calls}\ncall: %json {json.dumps(call)}\ntext: /[^{{\\s][\\s\\S]*/\n", "tools")
 
 
-def system_block(mode: str, tools: list[dict[str, Any]]) -> str:
-    lines = [PREAMBLE + (" " + AUTO if mode == "auto" else ""), "Functions:"]
+def system_block(mode: str, tools: list[dict[str, Any]], parallel: bool = True) -> str:
+    lines = [" ".join([PREAMBLE] + [PARALLEL] * parallel + [AUTO] * (mode == "auto")), "Functions:"]
     lines += [json.dumps(t, ensure_ascii=False, separators=(",", ":")) for t in tools]
     return "\n".join(lines)
 
@@ -109,20 +156,28 @@ def render_result(name: str | None, call_id: str, content: str) -> str:
     return f"Result of function {name or '?'} (call {call_id}):\n{content}"
 
 
-def parse_call(text: str, tools: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The OpenAI tool call in a finished reply, or None when the reply is text."""
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or obj.get("name") not in {t["name"] for t in tools}:
-        return None
-    arguments = json.dumps(obj.get("arguments", {}), ensure_ascii=False, separators=(",", ":"))
+def parse_calls(text: str, tools: list[dict[str, Any]], whole: bool = True) -> list[tuple[str, Any]] | None:
+    """[(name, arguments)] of a reply made of JSON calls, one per line, or None when the reply is text.
+    `whole=False` (a reply cut by max_tokens): the complete calls before the cut."""
+    names, calls = {t["name"] for t in tools}, []
+    for line in text.split("\n"):
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            obj = None
+        if not isinstance(obj, dict) or obj.get("name") not in names:
+            return None if whole else calls or None
+        calls.append((obj["name"], obj.get("arguments", {})))
+    return calls
+
+
+def openai_call(name: str, arguments: Any) -> dict[str, Any]:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": arguments}}
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))}}
 
 
-def render(messages: list[dict[str, Any]], mode: str, tools: list[dict[str, Any]]) -> list[dict[str, str]]:
+def render(messages: list[dict[str, Any]], mode: str, tools: list[dict[str, Any]],
+           parallel: bool = True) -> list[dict[str, str]]:
     """Chat messages ({role, content, tool_calls, tool_call_id}) as plain template messages: with tools, the
     system block in front (merged into a leading system message); earlier calls written as the model is asked
     to write them; tool results as user messages."""
@@ -137,17 +192,10 @@ def render(messages: list[dict[str, Any]], mode: str, tools: list[dict[str, Any]
             text = "\n".join([text] * bool(text) + [render_call(c) for c in m["tool_calls"]])
         out.append({"role": m["role"], "content": text})
     if mode != "none":
-        block = system_block(mode, tools)
+        block = system_block(mode, tools, parallel)
         if out[0]["role"] == "system":
             out[0]["content"] = block + "\n\n" + out[0]["content"]
         else:
             out.insert(0, {"role": "system", "content": block})
     return out
 
-
-def reply(text: str, reason: str, mode: str, tools: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
-    """A finished choice's assistant message and finish reason: a whole call becomes `tool_calls`."""
-    call = parse_call(text, tools) if mode != "none" and reason == "stop" else None
-    if call is None:
-        return {"role": "assistant", "content": text}, reason
-    return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
