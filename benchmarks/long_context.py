@@ -4,9 +4,11 @@ peak memory of chunked prefill (measured, each case in its own process).
     python benchmarks/long_context.py kv [--tokens 32768] [--budget-gb 2] [--model DIR]
     python benchmarks/long_context.py prefill --model DIR [--chunk 512] [--chunks 16] [--dtype float32]
 
-`kv` computes the cache of the released 26B-A4B shapes (and of --model's config, if given) with every layer
-kept whole ("linear", the layout before ring buffers) and with sliding layers in rings ("ring"): bytes per
-request at --tokens, bytes each further token adds, and the longest context that fits --budget-gb.
+`kv` computes the cache of the released 26B-A4B shapes (and of --model's config, if given) in three layouts:
+"before" (every layer's keys and values kept whole: the layout before this work), "linear" (every layer kept
+whole, full-attention layers storing k_proj's output alone) and "ring" (the same, sliding layers in rings: what
+the engine uses): bytes per request at --tokens, bytes each further token adds, and the longest context that
+fits --budget-gb.
 `prefill` measures the peak bytes of the tensors a prefill creates (its activations; weights and the preallocated
 cache left out; `instruments.PeakBytes`), and the resident memory it adds (allocator effects included), for a
 prompt of one chunk and of --chunks chunks, chunked and in one pass. Last stdout line: JSON.
@@ -37,27 +39,31 @@ REAL = ModelConfig(TextConfig(
     canvas_length=256)
 
 
-def cache_bytes(cfg: ModelConfig, tokens: int, ring: bool, dtype: torch.dtype) -> int:
-    return KVCache(cfg.text, 1, tokens, dtype, "meta", room=cfg.canvas_length if ring else None).nbytes
+def cache_bytes(cfg: ModelConfig, tokens: int, layout: str, dtype: torch.dtype) -> int:
+    if layout == "before":  # keys and values of every layer, every slot
+        t = cfg.text
+        values = 2 * tokens * sum(t.layer(i).num_kv_heads * t.layer(i).head_dim for i in range(t.num_hidden_layers))
+        return values * torch.empty(0, dtype=dtype).element_size()
+    room = cfg.canvas_length if layout == "ring" else None
+    return KVCache(cfg.text, 1, tokens, dtype, "meta", room=room).nbytes
 
 
-def longest(cfg: ModelConfig, budget: int, ring: bool, dtype: torch.dtype) -> int:
+def longest(cfg: ModelConfig, budget: int, layout: str, dtype: torch.dtype) -> int:
     """Largest context whose cache fits `budget` bytes (bisection on the computed size)."""
     lo, hi = 1, 1 << 26
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if cache_bytes(cfg, mid, ring, dtype) <= budget else (lo, mid - 1)
+        lo, hi = (mid, hi) if cache_bytes(cfg, mid, layout, dtype) <= budget else (lo, mid - 1)
     return lo
 
 
 def kv_report(cfg: ModelConfig, tokens: int, budget: int, dtype: torch.dtype) -> dict:
     out = {}
-    for ring in (False, True):
-        name = "ring" if ring else "linear"
-        total = cache_bytes(cfg, tokens, ring, dtype)
-        out[name] = {"bytes": total, "bytes_per_token_beyond": cache_bytes(cfg, tokens + 1, ring, dtype) - total,
-                     "longest_context_in_budget": longest(cfg, budget, ring, dtype)}
-    out["linear_over_ring"] = round(out["linear"]["bytes"] / out["ring"]["bytes"], 2)
+    for layout in ("before", "linear", "ring"):
+        total = cache_bytes(cfg, tokens, layout, dtype)
+        out[layout] = {"bytes": total, "bytes_per_token_beyond": cache_bytes(cfg, tokens + 1, layout, dtype) - total,
+                       "longest_context_in_budget": longest(cfg, budget, layout, dtype)}
+    out["before_over_ring"] = round(out["before"]["bytes"] / out["ring"]["bytes"], 2)
     out["max_position_embeddings"] = cfg.text.max_position_embeddings
     return out
 
@@ -90,7 +96,8 @@ def prefill_report(model_dir: str, chunk: int, chunks: int, dtype: str) -> dict:
         cmd = [sys.executable, __file__, "_one", model_dir, str(tokens), str(c or 0), dtype]
         runs.append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout))
     one, many, whole = (r["activation_peak_mb"] for r in runs)
-    return {"runs": runs, "chunked_over_one_chunk": round(many / one, 2), "one_pass_over_one_chunk": round(whole / one, 2)}
+    return {"runs": runs, "chunked_over_one_chunk": round(many / one, 2),
+            "one_pass_over_one_chunk": round(whole / one, 2)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,10 @@ Slots past `length` are scratch space: the decoder puts the canvas keys there an
 overwrites them. Full-attention layers keep every slot; with `room` (the most slots a pass adds in place: the
 canvas), sliding-window layers keep a ring of window - 1 + room slots, so their memory stops growing past the
 window (`store.py`).
+
+Sliding layers store keys and values; full-attention layers, which have no v_proj (their values are the v-normed
+k_proj output, their keys the k-normed and rotated one), store k_proj's output alone, and `positions` [B, slots]
+keeps each slot's rotary position so that the attention derives both, bit for bit, when it reads them.
 """
 
 from __future__ import annotations
@@ -13,8 +17,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dgemma.cache.store import LinearStore, RingStore
-from dgemma.config import TextConfig
+from dgemma.cache.store import Fields, LinearStore, RingStore
+from dgemma.config import LayerSpec, TextConfig
+
+POSITION_DTYPE = torch.int32
+
+
+def fields(spec: LayerSpec) -> int:
+    """Tensors a layer stores per slot: keys and values, or (full attention) k_proj's output alone."""
+    return 2 if spec.sliding else 1
 
 
 class KVCache:
@@ -24,23 +35,25 @@ class KVCache:
         self.stores: list[LinearStore] = []
         for i in range(cfg.num_hidden_layers):
             spec = cfg.layer(i)
-            args = (batch, spec.num_kv_heads, capacity, spec.head_dim, dtype, device)
+            args = (batch, spec.num_kv_heads, capacity, spec.head_dim, dtype, device, fields(spec))
             ring = spec.sliding and room is not None
             self.stores.append(RingStore(*args, ring=cfg.sliding_window - 1 + room) if ring else LinearStore(*args))
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
+        self.positions = torch.zeros(batch, capacity, dtype=POSITION_DTYPE, device=device)
         self.length = 0
         self.padded_until = 0  # slots below may be padding; slots from here to length are valid
         self.held_from = 0  # rings hold slots held_from..length (older ones, or the decoder's scratch, overwrote)
 
     @staticmethod
     def bytes_for(cfg: TextConfig, tokens: int, dtype: torch.dtype, room: int | None) -> int:
-        """Bytes of keys and values one row of `tokens` slots holds, computed without building it."""
+        """Bytes one row of `tokens` slots holds (`nbytes`), computed without building it."""
         values = 0
         for i in range(cfg.num_hidden_layers):
             spec = cfg.layer(i)
             slots = min(tokens, cfg.sliding_window - 1 + room) if spec.sliding and room is not None else tokens
-            values += 2 * slots * spec.num_kv_heads * spec.head_dim
-        return values * torch.empty(0, dtype=dtype).element_size()
+            values += fields(spec) * slots * spec.num_kv_heads * spec.head_dim
+        per_slot = 1 + torch.empty(0, dtype=POSITION_DTYPE).element_size()  # valid flag and position
+        return values * torch.empty(0, dtype=dtype).element_size() + tokens * per_slot
 
     @property
     def batch_size(self) -> int:
@@ -52,8 +65,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of keys and values held (the valid flags, one byte a slot, left out)."""
-        return sum(s.nbytes for s in self.stores)
+        """Bytes held: the stores, the valid flags and the positions."""
+        return sum(s.nbytes for s in self.stores) + self.valid.nbytes + self.positions.nbytes
 
     def ensure(self, needed: int) -> None:
         """Room for slots up to `needed` (amortised, see `LinearStore.ensure`; rings stop at their size)."""
@@ -61,6 +74,7 @@ class KVCache:
             s.ensure(needed)
         if needed > self.capacity:
             grown = max(needed, self.capacity + self.capacity // 4)
+            self.positions = torch.nn.functional.pad(self.positions, (0, grown - self.capacity))
             self.valid = torch.nn.functional.pad(self.valid, (0, grown - self.capacity))
 
     def reserve(self, n: int, valid: Tensor | None) -> int:
@@ -73,6 +87,10 @@ class KVCache:
         self.length = start + n
         self._written(self.length)
         return start
+
+    def place(self, start: int, positions: Tensor) -> None:
+        """Record the rotary positions [B, n] of the tokens in slots start..start+n."""
+        self.positions[:, start:start + positions.shape[1]] = positions
 
     def scratch(self, n: int) -> None:
         """The decoder is about to put n keys in the slots after `length` (scratch, overwritten by the commit)."""
@@ -97,11 +115,12 @@ class KVCache:
         store = next(s for i, s in enumerate(self.stores) if self.cfg.layer(i).sliding == sliding)
         return store.layout(lo, start, n, self.valid.device)
 
-    def view(self, layer: int, lo: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store k, v [B, kv_heads, n, D] at slots start..start+n; the keys and values the pass attends to."""
-        return self.stores[layer].view(lo, start, k, v)
+    def view(self, layer: int, lo: int, start: int, *new: Tensor) -> Fields:
+        """Store a layer's new tensors [B, kv_heads, n, D] (k, v or k_proj's output, see `fields`) at slots
+        start..start+n; returns the tensors of the slots the pass attends to."""
+        return self.stores[layer].view(lo, start, new)
 
-    def slice(self, layer: int, lo: int, hi: int) -> tuple[Tensor, Tensor]:
+    def slice(self, layer: int, lo: int, hi: int) -> Fields:
         """Slots lo..hi of a layer kept whole (training: the cache stays in the graph, nothing wraps)."""
         return self.stores[layer].slice(lo, hi)
 
@@ -113,10 +132,11 @@ class KVCache:
             raise ValueError(f"slots up to {hi} are no longer held (cache length {self.length})")
         out = KVCache(self.cfg, 1, hi - lo, self.stores[0].dtype, self.valid.device, self.room)
         for dst, src in zip(out.stores, self.stores):
-            first, k, v = src.ordered(self.length, row)  # slots first..length, in order
+            first, held = src.ordered(self.length, row)  # slots first..length, in order
             keep = max(first, lo, self.held_from if isinstance(src, RingStore) else 0)
-            dst.put(keep - lo, k[:, :, keep - first:hi - first], v[:, :, keep - first:hi - first])
+            dst.put(keep - lo, tuple(t[:, :, keep - first:hi - first] for t in held))
         out.valid[:, :hi - lo] = self.valid[row:row + 1, lo:hi]
+        out.positions[:, :hi - lo] = self.positions[row:row + 1, lo:hi]
         out.length = hi - lo
         out.padded_until = max(0, min(self.padded_until, hi) - lo)
         out.held_from = max(0, self.held_from - lo)

@@ -1,10 +1,12 @@
-"""One layer's keys and values for a batch of rows: a linear store (slot t at index t, grown on demand) or a
+"""One layer's cached tensors for a batch of rows: a linear store (slot t at index t, grown on demand) or a
 ring (slot t at index t % size) for sliding-window layers, which only ever read the last window - 1 slots plus
 the ones a pass is adding.
 
-`view(lo, start, k, v)` stores the keys of slots start..start+n and returns what a pass attends to: the slots
-lo..start+n, in slot order, except on a wrapped ring, where they come in ring order (`layout` gives that order
-and the first slot returned, so that masks line up with the keys).
+A store holds `fields` tensors [B, kv_heads, slots, D] per layer: keys and values (sliding layers), or one
+(full-attention layers, whose keys and values both derive from k_proj's output: the attention stores that alone
+and derives them when it reads). `view(lo, start, *new)` stores the new tensors of slots start..start+n and
+returns what a pass attends to: the slots lo..start+n, in slot order, except on a wrapped ring, where they come in
+ring order (`layout` gives that order and the first slot returned, so that masks line up with the keys).
 """
 
 from __future__ import annotations
@@ -12,24 +14,25 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+Fields = tuple[Tensor, ...]
+
 
 class LinearStore:
-    def __init__(self, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype, device):
+    def __init__(self, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype, device, fields: int = 2):
         shape = (batch, kv_heads, capacity, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.data = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(fields)]
 
     @property
     def size(self) -> int:
-        return self.keys.shape[2]
+        return self.data[0].shape[2]
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.keys.dtype
+        return self.data[0].dtype
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return sum(t.nbytes for t in self.data)
 
     def limit(self, needed: int) -> int:
         """How many indices `needed` slots take (all of them)."""
@@ -41,37 +44,37 @@ class LinearStore:
         needed = self.limit(needed)
         if needed > self.size:
             extra = self.limit(max(needed, self.size + self.size // 4)) - self.size
-            pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, extra))  # noqa: E731
-            self.keys, self.values = pad(self.keys), pad(self.values)
+            self.data = [torch.nn.functional.pad(t, (0, 0, 0, extra)) for t in self.data]
 
-    def put(self, start: int, k: Tensor, v: Tensor, rows: slice | None = None) -> None:
-        """k, v [B, kv_heads, n, D] into slots start..start+n (of `rows` only, if given)."""
+    def put(self, start: int, new: Fields, rows: slice | None = None) -> None:
+        """new: tensors [B, kv_heads, n, D] into slots start..start+n (of `rows` only, if given)."""
         rows = rows or slice(None)
-        self.keys[rows, :, start:start + k.shape[2]] = k
-        self.values[rows, :, start:start + k.shape[2]] = v
+        for t, x in zip(self.data, new, strict=True):
+            t[rows, :, start:start + x.shape[2]] = x
 
     def layout(self, lo: int, start: int, n: int, device) -> tuple[int, Tensor | None]:
         return lo, None
 
-    def view(self, lo: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        self.put(start, k, v)
-        return self.slice(lo, start + k.shape[2])
+    def view(self, lo: int, start: int, new: Fields) -> Fields:
+        self.put(start, new)
+        return self.slice(lo, start + new[0].shape[2])
 
-    def slice(self, lo: int, hi: int) -> tuple[Tensor, Tensor]:
-        return self.keys[:, :, lo:hi], self.values[:, :, lo:hi]
+    def slice(self, lo: int, hi: int) -> Fields:
+        return tuple(t[:, :, lo:hi] for t in self.data)
 
-    def ordered(self, length: int, row: int) -> tuple[int, Tensor, Tensor]:
-        """(first slot, keys, values) of one row's slots still held below `length`, in slot order."""
-        return 0, self.keys[row:row + 1, :, :length], self.values[row:row + 1, :, :length]
+    def ordered(self, length: int, row: int) -> tuple[int, Fields]:
+        """(first slot, tensors) of one row's slots still held below `length`, in slot order."""
+        return 0, tuple(t[row:row + 1, :, :length] for t in self.data)
 
 
 class RingStore(LinearStore):
     """At most `ring` indices; a pass adding n slots at start writes them in place when every slot it sees
-    (lo..start+n) still fits the ring afterwards, else attends to the held slots and the new keys joined."""
+    (lo..start+n) still fits the ring afterwards, else attends to the held slots and the new ones joined."""
 
-    def __init__(self, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype, device, ring: int):
+    def __init__(self, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype, device, fields: int = 2, *,
+                 ring: int):
         self.ring = ring
-        super().__init__(batch, kv_heads, min(capacity, ring), head_dim, dtype, device)
+        super().__init__(batch, kv_heads, min(capacity, ring), head_dim, dtype, device, fields)
 
     def limit(self, needed: int) -> int:
         return min(needed, self.ring)
@@ -79,15 +82,15 @@ class RingStore(LinearStore):
     def _in_place(self, lo: int, start: int, n: int) -> bool:
         return start + n - self.ring <= lo
 
-    def put(self, start: int, k: Tensor, v: Tensor, rows: slice | None = None) -> None:
-        n = k.shape[2]
+    def put(self, start: int, new: Fields, rows: slice | None = None) -> None:
+        n = new[0].shape[2]
         if n > self.ring:  # only the last `ring` slots survive
-            k, v, start, n = k[:, :, -self.ring:], v[:, :, -self.ring:], start + n - self.ring, self.ring
+            new, start, n = tuple(x[:, :, -self.ring:] for x in new), start + n - self.ring, self.ring
         p = start % self.ring
         first = min(n, self.ring - p)
-        super().put(p, k[:, :, :first], v[:, :, :first], rows)
+        super().put(p, tuple(x[:, :, :first] for x in new), rows)
         if first < n:
-            super().put(0, k[:, :, first:], v[:, :, first:], rows)
+            super().put(0, tuple(x[:, :, first:] for x in new), rows)
 
     def _slots(self, hi: int, device) -> Tensor:
         """Slot held at each index of a full ring whose newest slot is hi - 1."""
@@ -101,18 +104,18 @@ class RingStore(LinearStore):
             return lo, None
         return start - self.ring, torch.cat([self._slots(start, device), torch.arange(start, hi, device=device)])
 
-    def view(self, lo: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        n = k.shape[2]
+    def view(self, lo: int, start: int, new: Fields) -> Fields:
+        n = new[0].shape[2]
         if self._in_place(lo, start, n):
-            self.put(start, k, v)
-            return self.slice(lo, start + n) if start + n <= self.ring else (self.keys, self.values)
-        old_k, old_v = self.slice(lo, start) if start <= self.ring else (self.keys, self.values)
-        keys, values = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
-        self.put(start, k, v)
-        return keys, values
+            self.put(start, new)
+            return self.slice(lo, start + n) if start + n <= self.ring else tuple(self.data)
+        old = self.slice(lo, start) if start <= self.ring else tuple(self.data)
+        joined = tuple(torch.cat([o, x], dim=2) for o, x in zip(old, new))
+        self.put(start, new)
+        return joined
 
-    def ordered(self, length: int, row: int) -> tuple[int, Tensor, Tensor]:
+    def ordered(self, length: int, row: int) -> tuple[int, Fields]:
         if length <= self.ring:
             return super().ordered(length, row)
         shift, one = -(length % self.ring), slice(row, row + 1)
-        return length - self.ring, self.keys[one].roll(shift, dims=2), self.values[one].roll(shift, dims=2)
+        return length - self.ring, tuple(t[one].roll(shift, dims=2) for t in self.data)

@@ -1,9 +1,12 @@
 """Attention with q/k/v norms, per-layer head size and kv heads, score scale 1.0 and GQA.
 
-Full-attention layers have no v_proj: their values are the (v-normed) raw keys. A pass's rows come in `Part`s, one
-per cache (one for a batch sharing a cache, one per request with caches of their own), and a `Span` says which
-cached slots a part sees and whether it needs a mask: plain causal prefill and unpadded batches call SDPA without one,
-so the fused kernels stay eligible (docs/kernels.md).
+Full-attention layers have no v_proj: their values are the v-normed k_proj output, their keys the k-normed and
+rotated one. The cache keeps that output alone for them, and each pass derives the keys and values of the slots it
+reads (`derive`) with the reference's ops, so they are bit for bit what storing them would give; past WHOLE_KEYS
+slots a block of keys at a time (`blocked.py`). A pass's rows come in `Part`s, one per cache (one for a batch sharing
+a cache, one per request with caches of their own), and a `Span` says which cached slots a part sees and whether it
+needs a mask: plain causal prefill and unpadded batches call SDPA without one, so the fused kernels stay eligible
+(docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -16,48 +19,58 @@ from torch import nn
 
 from dgemma.cache import KVCache
 from dgemma.config import TextConfig
-from dgemma.model.layers import Linear, RMSNorm, apply_rope, rope_inv_freq
+from dgemma.model.blocked import Mask, attend_blocks, mask_block
+from dgemma.model.layers import Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 
 # Flash kernels take head dims up to this; past it (and with a mask) CUDA SDPA uses the memory-efficient kernel,
 # which does not broadcast GQA heads itself: without expanded kv it would fall back to math.
 FLASH_MAX_HEAD_DIM = 256
-# Mask entries one SDPA call takes at most (its float copy: 4 MB at float32).
-MASK_FLOATS = 1 << 20
+# Mask entries one SDPA call takes at most (SDPA makes a float copy of a boolean mask: 1 MB at float32).
+MASK_FLOATS = 1 << 18
+# Full-attention layers reading more cached slots than this (without a graph) attend a block of keys at a time,
+# deriving only that block's keys and values; blocks hold at most BLOCK_FLOATS scores.
+WHOLE_KEYS = 1024
+BLOCK_FLOATS = 1 << 18
 
 
 class Span(NamedTuple):
     """Queries see cached slots lo.. and their own: through `mask` [B, 1, n or 1, keys] if given (keys in the
-    order `KVCache.view` returns them), causally (SDPA's is_causal: nothing cached before, square scores) if
-    `causal`, else everything."""
+    order `KVCache.view` returns them; the encoder's is a `CausalMask`, built a block at a time), causally (SDPA's
+    is_causal: nothing cached before, square scores) if `causal`, else everything."""
 
     lo: int
-    mask: torch.Tensor | None = None
+    mask: Mask | None = None
     causal: bool = False
 
 
 class Part(NamedTuple):
     """Rows of a pass that share one cache (the whole batch, or one request): the cache, the first slot their new
-    tokens take, and what they see."""
+    tokens take, what they see, and for full-attention layers the positions [B, keys] of the slots they read (from
+    which those layers derive their keys)."""
 
     cache: KVCache
     start: int
     span: Span
+    positions: torch.Tensor | None = None
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: Span) -> torch.Tensor:
-    """SDPA over q [B, heads, n, D], k/v [B, kv_heads, S, D] with score scale 1.0. A mask with many query rows
-    (a prefill chunk after a long cache) is taken a block of rows at a time: SDPA turns a boolean mask into a
-    float copy, which would otherwise grow with the cache."""
-    m = span.mask
+    """SDPA over q [B, heads, n, D], k/v [B, kv_heads, S, D] with score scale 1.0. A mask is taken a block of
+    query rows at a time: SDPA turns a boolean mask into a float copy, which would otherwise grow with the cache."""
+    if span.mask is None:
+        return _sdpa(q, k, v, None, span.causal)
     rows = max(1, MASK_FLOATS // k.shape[2])
-    if m is not None and m.shape[-2] > rows:
-        return torch.cat([attend(q[:, :, i:i + rows], k, v, span._replace(mask=m[..., i:i + rows, :]))
-                          for i in range(0, q.shape[2], rows)], dim=2)
+    blocks = [_sdpa(q[:, :, i:i + rows], k, v, mask_block(span.mask, slice(i, i + rows), slice(None)), False)
+              for i in range(0, q.shape[2], rows)]
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
+
+
+def _sdpa(q, k, v, mask, causal):
     groups = q.shape[1] // k.shape[1]
-    if groups > 1 and q.is_cuda and (span.mask is not None or q.shape[-1] > FLASH_MAX_HEAD_DIM):
+    if groups > 1 and q.is_cuda and (mask is not None or q.shape[-1] > FLASH_MAX_HEAD_DIM):
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, is_causal=span.causal, scale=1.0,
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=1.0,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
 
@@ -86,21 +99,47 @@ class Attention(nn.Module):
         """
         b, n, _ = x.shape
         cos, sin = rope
-        q = apply_rope(self.q_norm(self.q_proj(x).view(b, n, self.n_heads, self.head_dim)), cos, sin)
-        k_raw = self.k_proj(x).view(b, n, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(b, n, self.n_kv, self.head_dim) if self.v_proj is not None else k_raw
-        k = apply_rope(self.k_norm(k_raw), cos, sin)
-        v = self.v_norm(v)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q = apply_rope(self.q_norm(self.q_proj(x).view(b, n, self.n_heads, self.head_dim)), cos, sin).transpose(1, 2)
+        new = self._new(x, cos, sin)
         outs, row = [], 0
-        for cache, start, span in parts:
-            rows = slice(row, row + cache.batch_size)
+        for part in parts:
+            rows = slice(row, row + part.cache.batch_size)
             row = rows.stop
             if write:
-                keys, values = cache.view(self.layer, span.lo, start, k[rows], v[rows])
+                seen = part.cache.view(self.layer, part.span.lo, part.start, *(t[rows] for t in new))
             else:
-                keys, values = cache.slice(self.layer, span.lo, start)
-                keys, values = torch.cat([keys, k[rows]], dim=2), torch.cat([values, v[rows]], dim=2)
-            outs.append(attend(q[rows], keys, values, span))
+                old = part.cache.slice(self.layer, part.span.lo, part.start)
+                seen = tuple(torch.cat([o, t[rows]], dim=2) for o, t in zip(old, new))
+            if self.v_proj is not None:
+                outs.append(attend(q[rows], *seen, part.span))
+            else:
+                outs.append(self._attend_derived(q[rows], seen[0], part.positions, part.span))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+    def _new(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What the cache stores for x's tokens, each [B, kv_heads, n, D]: keys and values, or for full-attention
+        layers k_proj's output alone."""
+        b, n, _ = x.shape
+        k_raw = self.k_proj(x).view(b, n, self.n_kv, self.head_dim)
+        if self.v_proj is None:
+            return (k_raw.transpose(1, 2),)
+        k = apply_rope(self.k_norm(k_raw), cos, sin)
+        v = self.v_norm(self.v_proj(x).view(b, n, self.n_kv, self.head_dim))
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def _attend_derived(self, q: torch.Tensor, raw: torch.Tensor, positions: torch.Tensor, span: Span) -> torch.Tensor:
+        """Attention of a full-attention layer over cached k_proj outputs raw [B, kv_heads, S, D] at `positions`
+        [B, S]: whole (SDPA) for a short history or with a graph, else a block of keys at a time."""
+        s = raw.shape[2]
+        if torch.is_grad_enabled() or s <= WHOLE_KEYS:
+            return attend(q, *self.derive(raw, positions), span)
+        block = max(16, BLOCK_FLOATS // (q.shape[1] * q.shape[2]))
+        return attend_blocks(q, s, lambda keys: self.derive(raw[:, :, keys], positions[:, keys]),
+                             span.mask, span.causal, block)
+
+    def derive(self, raw: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys rope(k_norm(raw)) and values v_norm(raw) of full-attention slots raw [B, kv_heads, S, D] at
+        `positions` [B, S]: the reference's ops, element for element, so bit for bit what it computes."""
+        cos, sin = (t.transpose(1, 2) for t in rope_cos_sin(self.inv_freq, positions, raw.dtype))
+        return apply_rope(self.k_norm(raw), cos, sin), self.v_norm(raw)

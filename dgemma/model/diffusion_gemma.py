@@ -13,8 +13,10 @@ import torch
 from torch import nn
 
 from dgemma.cache import KVCache
+from dgemma.cache.kv import POSITION_DTYPE
 from dgemma.config import ModelConfig, TextConfig
 from dgemma.model.attention import Attention, Part, Span
+from dgemma.model.blocked import CausalMask
 from dgemma.model.layers import GatedMLP, RMSNorm, matmul, rope_cos_sin
 from dgemma.model.moe import Experts, Router
 from dgemma.quant import QuantizedWeight
@@ -177,6 +179,7 @@ class DiffusionGemma(nn.Module):
         if positions is None:
             positions = torch.cat([torch.arange(p.start, p.start + n, device=x.device).expand(p.cache.batch_size, n)
                                    for p in parts[True]])
+        parts = {True: parts[True], False: self._full_parts(parts[False], positions, n, write)}
         ropes = {}
         for block in self.layers:
             attn = block.self_attn
@@ -185,6 +188,20 @@ class DiffusionGemma(nn.Module):
                 ropes[key] = rope_cos_sin(attn.inv_freq, positions, x.dtype)
             x = block(x, ropes[key], parts[attn.sliding], encoder, write)
         return x
+
+    def _full_parts(self, parts: list[Part], positions: torch.Tensor, n: int, write: bool) -> list[Part]:
+        """Record the new tokens' positions in their caches (when writing), and give each part the positions of
+        every slot the full-attention layers read, from which they derive those slots' keys."""
+        out = []
+        for p, rows in zip(parts, _rows([p.cache for p in parts])):
+            new = positions[rows].to(POSITION_DTYPE)
+            if write:
+                p.cache.place(p.start, new)
+                seen = p.cache.positions[:, p.span.lo:p.start + n]
+            else:
+                seen = torch.cat([p.cache.positions[:, p.span.lo:p.start], new], dim=1)
+            out.append(p._replace(positions=seen))
+        return out
 
     def _encoder_span(self, cache: KVCache, start: int, n: int, sliding: bool) -> Span:
         """Causal attention over slots lo..start+n. No mask where the keys are exactly those slots, nothing
@@ -198,15 +215,10 @@ class DiffusionGemma(nn.Module):
             return Span(lo, causal=n > 1)
         device = cache.valid.device
         kv = torch.arange(first, start + n, device=device) if slots is None else slots
-        q = torch.arange(start, start + n, device=device)[:, None]
-        mask = kv[None] <= q  # [n, keys]: the one mask-sized tensor unless something is padding
-        if sliding:
-            mask &= kv[None] > q - self.cfg.text.sliding_window
-        if not cache.has_padding(first):
-            return Span(lo, mask[None, None])
-        mask = mask[None] & self._valid(cache, kv, slots, first, start + n)[:, None]
-        mask |= (kv[None] == q)[None]  # padding queries attend to themselves: no empty softmax rows
-        return Span(lo, mask[:, None])
+        q = torch.arange(start, start + n, device=device)
+        window = self.cfg.text.sliding_window if sliding else None
+        valid = self._valid(cache, kv, slots, first, start + n) if cache.has_padding(first) else None
+        return Span(lo, CausalMask(kv, q, window, valid))  # built a block at a time: [n, keys] grows with the cache
 
     @staticmethod
     def _valid(cache: KVCache, kv: torch.Tensor, slots: torch.Tensor | None, first: int, hi: int) -> torch.Tensor:

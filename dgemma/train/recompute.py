@@ -22,20 +22,18 @@ class _Recorder:
 
     def __init__(self, cache):
         self.cache = cache
-        self.k = self.v = None
-        self.start = 0
+        self.new: tuple[torch.Tensor, ...] = ()
 
     @property
     def batch_size(self) -> int:
         return self.cache.batch_size
 
-    def view(self, layer: int, lo: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        """What `KVCache.view` returns (slots lo..start of the cache, then the new keys / values), unwritten."""
-        self.k, self.v, self.start = k, v, start
+    def view(self, layer: int, lo: int, start: int, *new: torch.Tensor):
+        """What `KVCache.view` returns (slots lo..start of the cache, then the new tensors), unwritten."""
+        self.new = new
         if lo == start:
-            return k, v
-        keys, values = self.cache.slice(layer, lo, start)
-        return torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
+            return new
+        return tuple(torch.cat([old, t], dim=2) for old, t in zip(self.cache.slice(layer, lo, start), new))
 
 
 def _checkpointed(forward, layer: int, x, rope, parts, encoder, write=True):
@@ -48,11 +46,12 @@ def _checkpointed(forward, layer: int, x, rope, parts, encoder, write=True):
     def rerunnable(x):
         recorders = [_Recorder(part.cache) for part in parts]
         out = forward(x, rope, [part._replace(cache=r) for part, r in zip(parts, recorders)], encoder, True)
-        return (out, *[t for r in recorders for t in (r.k, r.v)])
+        return (out, *[t for r in recorders for t in r.new])
 
-    out, *kv = checkpoint(rerunnable, x, use_reentrant=False)
+    out, *new = checkpoint(rerunnable, x, use_reentrant=False)
+    per_part = len(new) // len(parts)  # the tensors a layer stores per part: the same for every part
     for i, part in enumerate(parts):
-        part.cache.view(layer, part.start, part.start, kv[2 * i], kv[2 * i + 1])
+        part.cache.view(layer, part.start, part.start, *new[i * per_part:(i + 1) * per_part])
     return out
 
 
