@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 import dgemma
 from dgemma.errors import CheckpointError
 from dgemma.model import DiffusionGemma
-from dgemma.quant import parse_quantize, unpack_int4
+from dgemma.quant import IntWeight, NVFP4Weight, parse_quantize, unpack_int4
 from dgemma.weights import compressed, hf, save_model
-from dgemma.weights.prequantized import _pack_quantized
+from dgemma.weights.prequantized import _pack_quantized, read_linear
 
 helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
 
@@ -94,3 +94,19 @@ def test_experts_that_do_not_stack_are_one_line_errors(int4_model, tmp_path, cas
     index.write_text(json.dumps({"weight_map": {n: shard.name for n in tensors}}))
     with pytest.raises(CheckpointError, match=message):
         dgemma.load(out)
+
+
+@pytest.mark.parametrize("fmt,cls,rms", [("int4", IntWeight, 4.64), ("nvfp4", NVFP4Weight, 1.0)])
+def test_real_shape_writer_pieces_load(fmt, cls, rms):
+    """The real-shape benchmark's writer (too large for a test file) writes pieces the loader reads as `fmt`, at the
+    spread its docstring states (root mean square rms / (4 sqrt(fan_in)))."""
+    import real_shape
+
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randint(-2**31, 2**31 - 1, (4096,), dtype=torch.int32, generator=gen)
+    prefix = "model.decoder.layers.0.mlp.up_proj"
+    parts = real_shape.tensors_for(prefix, (64, 256), True, fmt, 32, gen, pool)
+    w = read_linear(prefix, parts.__getitem__, parts.__contains__, torch.float32)
+    assert isinstance(w, cls) and tuple(w.shape) == (64, 256)
+    got = w.dequantize().square().mean().sqrt().item() * 4 * 256**0.5
+    assert abs(got / rms - 1) < 0.1
