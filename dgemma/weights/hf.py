@@ -135,11 +135,14 @@ def _materialise(model, by_ckpt, targets, files, sources, quantize, dtype, devic
     direct: dict[Path, DirectReader] = {}
 
     def get(name: str) -> torch.Tensor:
-        return direct.setdefault(files[name], DirectReader(files[name])).get(name).to(device)
+        path = files[name]
+        if path not in direct:  # one header parse per shard (setdefault would parse it on every call)
+            direct[path] = DirectReader(path)
+        return direct[path].get(name)
 
     for ckpt_name, param in by_ckpt.items():
         if ckpt_name in sources:
-            value = read_prequantized(ckpt_name, sources[ckpt_name], get, files.__contains__, dtype, device)
+            value = read_prequantized(ckpt_name, sources[ckpt_name], get, files.__contains__, dtype).to(device)
             if isinstance(value, QuantizedWeight):
                 _check_shape(param, value.shape, targets[param][0])
                 install(model, param, value)
@@ -148,7 +151,9 @@ def _materialise(model, by_ckpt, targets, files, sources, quantize, dtype, devic
             continue
         if ckpt_name not in files:
             continue  # a missing encoder layer_scalar; filled by the caller
-        f = handles.setdefault(files[ckpt_name], _open(files[ckpt_name]))
+        if files[ckpt_name] not in handles:
+            handles[files[ckpt_name]] = _open(files[ckpt_name])
+        f = handles[files[ckpt_name]]
         if (bits := bits_for(quantize, param)) is not None:
             _check_shape(param, f.get_slice(ckpt_name).get_shape(), targets[param][0])
             install(model, param, quantize_view(f.get_slice(ckpt_name), ckpt_name, bits, quantize, dtype, device))

@@ -21,11 +21,12 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dgemma.errors import CheckpointError
 from dgemma.jsonfile import read_json
-from dgemma.quant import FP8Weight, IntWeight, NVFP4Weight, QuantizedWeight, join, pack_int4
+from dgemma.quant import FP8Weight, IntWeight, NVFP4Weight, QuantizedWeight, pack_int4
 
 METHODS = ("compressed-tensors", "modelopt")
 _PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_global_scale", "weight_zero_point",
@@ -74,25 +75,74 @@ def _quantized(files, prefix: str) -> bool:
     return f"{prefix}.weight_scale" in files or f"{prefix}.weight_packed" in files
 
 
-def read(name: str, prefixes: list[str], get: Getter, has: Callable[[str], bool], dtype: torch.dtype,
-         device) -> QuantizedWeight | torch.Tensor:
-    """The dgemma weight for checkpoint tensor `name` from its pieces (one linear, or unfused experts)."""
+def read(name: str, prefixes: list[str], get: Getter, has: Callable[[str], bool],
+         dtype: torch.dtype) -> QuantizedWeight | torch.Tensor:
+    """The dgemma weight for checkpoint tensor `name` from its pieces (one linear, or unfused experts), built where
+    `get` puts the pieces (the CPU: the caller moves the finished weight to its device)."""
     if len(prefixes) == 1 and not _EXPERTS.fullmatch(name):
-        return read_linear(prefixes[0], get, has, dtype, device)
+        return read_linear(prefixes[0], get, has, dtype)
     per_expert = 2 if name.endswith("gate_up_proj") else 1
-    pieces = [read_linear(p, get, has, dtype, device) for p in prefixes]
-    experts = [pieces[i:i + per_expert] for i in range(0, len(pieces), per_expert)]
-    if all(isinstance(p, torch.Tensor) for p in pieces):
-        return torch.stack([torch.cat(e, dim=0) for e in experts]).to(dtype)
-    if not all(isinstance(p, QuantizedWeight) for p in pieces):
-        raise CheckpointError(f"{name}: its unfused experts mix quantized and float pieces")
-    try:
-        return join([join(e) if len(e) > 1 else e[0] for e in experts], stack=True)
-    except (ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{name}: cannot re-stack its experts ({e})") from None
+    stack = None
+    for e in range(len(prefixes) // per_expert):
+        pieces = [read_linear(p, get, has, dtype) for p in prefixes[e * per_expert:(e + 1) * per_expert]]
+        stack = stack or _Stack(name, len(prefixes) // per_expert, pieces, dtype)
+        stack.put(e, pieces)
+    return stack.result()
 
 
-def read_linear(prefix: str, get: Getter, has, dtype, device) -> QuantizedWeight | torch.Tensor:
+class _Stack:
+    """Unfused experts re-stacked into one weight [E, N, K]: the stacked buffers are allocated once (from expert 0's
+    pieces) and each expert's pieces are copied into their rows, so no list of pieces or second copy ever exists."""
+
+    def __init__(self, name: str, experts: int, pieces: list, dtype: torch.dtype):
+        self.name, self.first = name, pieces[0]
+        self.buffers = {n: torch.empty(experts, *self._shape(n, ts), device=ts[0].device,
+                                       dtype=dtype if n == "" else ts[0].dtype)
+                        for n, ts in self._parts(pieces).items()}
+
+    def put(self, e: int, pieces: list) -> None:
+        for n, ts in self._parts(pieces).items():
+            dest = self.buffers[n][e]
+            if self._shape(n, ts) != tuple(dest.shape):
+                raise CheckpointError(f"{self.name}: cannot re-stack its experts (expert {e}'s {n or 'weight'} is "
+                                      f"{list(self._shape(n, ts))}, expert 0's {list(dest.shape)})")
+            lo = 0
+            for t in ts:
+                _copy(dest[..., lo:lo + t.shape[-2], :], t)
+                lo += t.shape[-2]
+
+    def _parts(self, pieces: list) -> dict[str, list[torch.Tensor]]:
+        """Buffer name -> that buffer of each piece ("" for float pieces), once the pieces' formats agree."""
+        if any(isinstance(p, torch.Tensor) != isinstance(self.first, torch.Tensor) for p in pieces):
+            raise CheckpointError(f"{self.name}: its unfused experts mix quantized and float pieces")
+        if odd := [p for p in pieces if type(p) is not type(self.first)]:
+            raise CheckpointError(f"{self.name}: its unfused experts mix formats ({type(odd[0]).__name__} and "
+                                  f"{type(self.first).__name__})")
+        return {"": pieces} if isinstance(self.first, torch.Tensor) else _buffers(self.name, pieces)
+
+    def result(self) -> QuantizedWeight | torch.Tensor:
+        return self.buffers[""] if isinstance(self.first, torch.Tensor) else self.first.rebuild(self.buffers)
+
+    def _shape(self, n: str, ts: list[torch.Tensor]) -> tuple[int, ...]:
+        """Shape of the pieces `ts` joined along their rows (dim -2)."""
+        first = ts[0].shape
+        if any(t.dim() != len(first) or t.dim() < 2 or t.shape[-1] != first[-1] or t.shape[:-2] != first[:-2]
+               for t in ts):
+            raise CheckpointError(f"{self.name}: cannot re-stack its experts ({n or 'weight'} pieces of shapes "
+                                  f"{[list(t.shape) for t in ts]})")
+        return (*first[:-2], sum(t.shape[-2] for t in ts), first[-1])
+
+
+def _buffers(name: str, pieces: list[QuantizedWeight]) -> dict[str, list[torch.Tensor]]:
+    """Persistent buffer name -> that buffer of each piece (rows at dim -2)."""
+    if any(p.group_size != pieces[0].group_size for p in pieces):
+        raise CheckpointError(f"{name}: its unfused experts mix group sizes "
+                              f"({sorted({p.extra_repr() for p in pieces})})")
+    states = [p.state_dict() for p in pieces]
+    return {n: [s[n] for s in states] for n in states[0]}
+
+
+def read_linear(prefix: str, get: Getter, has, dtype) -> QuantizedWeight | torch.Tensor:
     """One linear's weight: quantized from its parts, or the plain float tensor."""
     name = f"{prefix}.weight"
     if has(f"{prefix}.weight_zero_point"):
@@ -150,12 +200,41 @@ def _pack_quantized(prefix: str, packed: torch.Tensor, scale: torch.Tensor, shap
                               f"weight of shape {[n, k]}")
     scale = _rows(scale, torch.Size((n, k)), f"{prefix}.weight_scale")
     raw = packed.contiguous().view(torch.uint8)  # little-endian: code i sits at bit i * bits of the row
-    if bits == 8:
-        codes = (raw[:, :k] ^ 0x80).view(torch.int8)
-    else:
-        codes = (torch.stack([raw & 15, raw >> 4], dim=-1).view(n, -1)[:, :k].view(torch.int8) - 8)
     group = k // scale.shape[-1]
     if bits == 4 and group % 2:
         raise CheckpointError(f"{prefix}.weight_scale: int4 group size {group} is odd")
-    q = codes.contiguous() if bits == 8 else pack_int4(codes.contiguous(), group)
-    return IntWeight(q, scale, bits, dtype, f"{prefix}.weight_packed")
+    if bits == 8:
+        q = (raw[:, :k] ^ 0x80).view(torch.int8)
+    elif group % 4 == 0:
+        q = _repack_int4(raw[:, :k // 2], group)
+    else:
+        codes = (torch.stack([raw & 15, raw >> 4], dim=-1).view(n, -1)[:, :k].view(torch.int8) - 8)
+        q = pack_int4(codes.contiguous(), group)
+    return IntWeight(q.contiguous(), scale, bits, dtype, f"{prefix}.weight_packed")
+
+
+def _repack_int4(raw: torch.Tensor, group: int) -> torch.Tensor:
+    """compressed-tensors int4 bytes [N, K / 2] (byte j: codes 2j | 2j+1 << 4, each + 8) -> IntWeight's group-local
+    nibbles (byte j of a group: column j | column j + g/2 << 4, two's complement) with byte operations only.
+
+    In a group, columns [0, g/2) fill its first g/4 bytes (h1) and columns [g/2, g) the last g/4 (h2); IntWeight's
+    byte 2m holds columns 2m and 2m + g/2 (low nibbles of h1[m], h2[m]), byte 2m+1 columns 2m+1 and 2m+1 + g/2 (their
+    high nibbles); XOR 0x88 turns each offset code into two's complement. numpy, single-threaded: on a busy CPU
+    torch's threaded byte kernels were 10x slower for these ~1 MB pieces.
+    """
+    n = raw.shape[0]
+    halves = raw.numpy().reshape(n, -1, 2, group // 4)
+    h1, h2 = halves[:, :, 0], halves[:, :, 1]
+    out = np.empty((n, halves.shape[1], group // 4, 2), dtype=np.uint8)
+    np.bitwise_or(h1 & 15, h2 << 4, out=out[..., 0])
+    np.bitwise_or(h1 >> 4, h2 & 0xF0, out=out[..., 1])
+    out ^= 0x88
+    return torch.from_numpy(out.reshape(n, -1))
+
+
+def _copy(dest: torch.Tensor, src: torch.Tensor) -> None:
+    """dest[...] = src; same-dtype CPU copies as bytes through numpy (single-threaded, see _repack_int4)."""
+    if dest.dtype != src.dtype or dest.device.type != "cpu" or src.device.type != "cpu" or not dest.is_contiguous():
+        dest.copy_(src)
+        return
+    np.copyto(dest.view(torch.uint8).numpy(), src.contiguous().view(torch.uint8).numpy())

@@ -1,14 +1,17 @@
-"""Write a random checkpoint with the real DiffusionGemma 26B-A4B shapes directly in int4 (compressed-tensors
-pack-quantized, experts unfused as vLLM expects), never materialising a float weight: random packed codes and
-constant float16 scales of 1 / (4 sqrt(fan_in)).
+"""Write a random checkpoint with the real DiffusionGemma 26B-A4B shapes directly in int4 or NVFP4 (compressed-tensors
+pack-quantized / nvfp4-pack-quantized, experts unfused as vLLM expects), never materialising a float weight: random
+packed codes and constant scales (int4: float16 1 / (4 sqrt(fan_in)) per group of 32, weights of root mean square
+4.64 / (4 sqrt(fan_in)); NVFP4: E4M3 block scales of 1 and a global scale giving 1 / (4 sqrt(fan_in))). The tied
+embedding is int4 in both (as `dgemma quantize --to nvfp4` writes it); norms, routers and scalars bf16.
 
 Shapes (docs/field.md): hidden 2816, 30 layers (5 sliding : 1 full, last full), 16 heads; sliding layers 8 KV heads of
-256, full layers 2 KV heads of 512 (no v_proj); dense MLP 2112 beside 128 experts of 704, top-8; vocabulary 262,144
-(tied embedding, int4 too); canvas 256. Then run `dgemma bench --model OUT --steps N ...` on it.
+256, full layers 2 KV heads of 512 (no v_proj); dense MLP 2112 beside 128 experts of 704, top-8; vocabulary 262,144;
+canvas 256. `--layers N` keeps the real widths with fewer layers (for profiling the loader). Then run
+`dgemma bench --model OUT --steps N ...` on it (docs/performance.md, "The real shape").
 
-    python benchmarks/real_shape_int4.py --out /tmp/dg-26b-int4 [--layers 30] [--group 32]
+    python benchmarks/real_shape.py --out DIR [--format int4|nvfp4] [--layers 30] [--group 32]
 
-Last stdout line: JSON {path, parameters, bytes, seconds}.
+Last stdout line: JSON {path, format, parameters, bytes, seconds}.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -83,25 +87,49 @@ def layer_shapes(cfg: ModelConfig, i: int):
 
 
 POOL_WORDS = 1 << 24  # 64 MB of random int32 words; tensors take slices at random offsets (drawing each is slow)
+E2M1_RMS = 2.93  # root mean square of the 16 E2M1 values, each code equally likely
 
 
-def tensors_for(prefix: str, shape, quantized: bool, group: int, g: torch.Generator,
+def random_bytes(n: int, g: torch.Generator, pool: torch.Tensor) -> torch.Tensor:
+    """n random bytes: a slice of the pool at a random offset (wrapping), copied."""
+    raw = pool.view(torch.uint8)
+    start = int(torch.randint(0, raw.numel(), (1,), generator=g))
+    reps = -(-(start + n) // raw.numel())
+    return (raw.repeat(reps) if reps > 1 else raw)[start:start + n].clone()
+
+
+def tensors_for(prefix: str, shape, quantized: bool, fmt: str, group: int, g: torch.Generator,
                 pool: torch.Tensor) -> dict[str, torch.Tensor]:
     if not quantized:
         value = torch.randn(shape, generator=g) / math.sqrt(shape[-1]) if prefix.endswith("router.proj.weight") \
             else torch.ones(shape)
         return {prefix: value.to(torch.bfloat16)}
     n, k = shape
-    words = n * k // 8
-    start = int(torch.randint(0, POOL_WORDS, (1,), generator=g))
-    reps = -(-(start + words) // POOL_WORDS)
-    packed = (pool.repeat(reps) if reps > 1 else pool)[start:start + words].view(n, k // 8).clone()
+    if fmt == "nvfp4" and not prefix.endswith("embed_tokens"):
+        return {f"{prefix}.weight_packed": random_bytes(n * k // 2, g, pool).view(n, k // 2),
+                f"{prefix}.weight_scale": torch.ones(n, k // 16).to(torch.float8_e4m3fn),
+                f"{prefix}.weight_global_scale": torch.tensor([4 * math.sqrt(k) * E2M1_RMS])}
+    packed = random_bytes(n * k // 2, g, pool).view(torch.int32).view(n, k // 8)
     scale = torch.full((n, k // group), 1 / (4 * math.sqrt(k)), dtype=torch.float16)
     return {f"{prefix}.weight_packed": packed, f"{prefix}.weight_scale": scale,
             f"{prefix}.weight_shape": torch.tensor([n, k])}
 
 
-def write(out: Path, layers: int, group: int, seed: int) -> dict:
+def quantization_config(fmt: str, group: int) -> dict:
+    int4 = {"format": "pack-quantized", "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                    "strategy": "group", "group_size": group}}
+    if fmt == "int4":
+        groups = {"group_0": {"targets": ["Linear", "Embedding"], **int4}}
+    else:
+        nvfp4 = {"format": "nvfp4-pack-quantized", "weights": {"num_bits": 4, "type": "float", "symmetric": True,
+                                                                "strategy": "tensor_group", "group_size": 16}}
+        groups = {"group_0": {"targets": ["Embedding"], **int4}, "group_1": {"targets": ["Linear"], **nvfp4}}
+    formats = {c["format"] for c in groups.values()}
+    return {"quant_method": "compressed-tensors", "quantization_status": "compressed", "config_groups": groups,
+            "format": formats.pop() if len(formats) == 1 else "mixed-precision"}
+
+
+def write(out: Path, fmt: str, layers: int, group: int, seed: int) -> dict:
     cfg = real_config(layers)
     out.mkdir(parents=True, exist_ok=False)
     g = torch.Generator().manual_seed(seed)
@@ -119,7 +147,7 @@ def write(out: Path, layers: int, group: int, seed: int) -> dict:
 
     for prefix, shape, quantized in shapes(cfg):
         params += math.prod(shape)
-        for k, v in tensors_for(prefix, shape, quantized, group, g, pool).items():
+        for k, v in tensors_for(prefix, shape, quantized, fmt, group, g, pool).items():
             current[k] = v
             size += v.numel() * v.element_size()
         if size >= SHARD_BYTES:
@@ -128,11 +156,7 @@ def write(out: Path, layers: int, group: int, seed: int) -> dict:
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     config = cfg.to_hf()
     config["dtype"] = "bfloat16"
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear", "Embedding"], "format": "pack-quantized",
-                                      "weights": {"num_bits": 4, "type": "int", "symmetric": True,
-                                                  "strategy": "group", "group_size": group}}}}
+    config["quantization_config"] = quantization_config(fmt, group)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
     return {"parameters": params, "bytes": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
@@ -141,13 +165,24 @@ def write(out: Path, layers: int, group: int, seed: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--format", choices=["int4", "nvfp4"], default="int4", help="weight format (default int4)")
+    p.add_argument("--layers", type=int, default=30, help="decoder layers at the real width (default 30, the model's)")
     p.add_argument("--group", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    info = write(args.out, args.layers, args.group, args.seed)
-    print(json.dumps({"path": str(args.out), **info, "seconds": round(time.perf_counter() - t0, 1)}))
+    if args.out.exists():
+        p.error(f"{args.out} exists; choose another --out")
+    partial = args.out.with_name(args.out.name + ".partial")  # the directory appears only when complete
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        info = write(partial, args.format, args.layers, args.group, args.seed)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    partial.rename(args.out)
+    seconds = round(time.perf_counter() - t0, 1)
+    print(json.dumps({"path": str(args.out), "format": args.format, **info, "seconds": seconds}))
     return 0
 
 
