@@ -13,6 +13,8 @@ API (what other packages use):
 - `join(parts, stack)`: one weight from per-expert / per-projection pieces (re-stacking unfused experts).
 - `QuantSpec` / `parse_quantize` (quant/spec.py): the `--quantize` vocabulary.
 - `a8` (quant/a8.py): `+a8`, int8 activations for 2D quantized weights on x86 CPUs (`a8.enable(module, ...)`).
+- `int4cpu` (quant/int4cpu.py): int4 expert stacks in torch's CPU int4 layout with their own grouped kernel
+  (`expert_matmul(x, ends)`, which model/moe.py prefers when a format has it); converted at load on CPUs.
 """
 
 from dgemma.quant.base import QuantizedWeight, compute_dtype, join, summary
