@@ -3,7 +3,7 @@
 An expert sees ~16 rows of a canvas, so its GEMM is bound by reading its weight. Decoding int4 to float32 and
 running sgemm (quant/base.py) reads the codes, writes 8x their bytes of float and reads them back; torch's int4
 kernel unpacks in registers and reads only the codes. At the real model's expert shape (1,408 x 2,816, 16 rows)
-it ran 3.1x faster than decode + sgemm and 1.3x faster than sgemm on float32 weights (docs/performance.md).
+it ran 4.0x faster than decode + sgemm and 1.65x faster than sgemm on float32 weights (docs/performance.md).
 The kernel takes bfloat16 activations and scales and writes bfloat16: expert inputs, the group scales and the
 expert outputs are rounded to bfloat16 (8-bit mantissa), the cost of the speed. Weights stay exact: the codes
 and float16 scales are kept, only permuted into torch's layout, and `dequantize` gives the same floats as the
