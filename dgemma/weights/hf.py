@@ -134,11 +134,13 @@ def _materialise(model, by_ckpt, targets, files, sources, quantize, dtype, devic
     handles: dict[Path, object] = {}
     direct: dict[Path, DirectReader] = {}
 
-    def get(name: str) -> torch.Tensor:
-        path = files[name]
+    def reader(path: Path) -> DirectReader:
         if path not in direct:  # one header parse per shard (setdefault would parse it on every call)
             direct[path] = DirectReader(path)
-        return direct[path].get(name)
+        return direct[path]
+
+    def get(name: str) -> torch.Tensor:
+        return reader(files[name]).get(name)
 
     for ckpt_name, param in by_ckpt.items():
         if ckpt_name in sources:
@@ -151,9 +153,13 @@ def _materialise(model, by_ckpt, targets, files, sources, quantize, dtype, devic
             continue
         if ckpt_name not in files:
             continue  # a missing encoder layer_scalar; filled by the caller
-        if files[ckpt_name] not in handles:
-            handles[files[ckpt_name]] = _open(files[ckpt_name])
-        f = handles[files[ckpt_name]]
+        path = files[ckpt_name]
+        if quantize is not None:  # plain reads: no page of the float file stays mapped and counted in RSS
+            f = reader(path)
+        else:
+            if path not in handles:
+                handles[path] = _open(path)
+            f = handles[path]
         if (bits := bits_for(quantize, param)) is not None:
             _check_shape(param, f.get_slice(ckpt_name).get_shape(), targets[param][0])
             install(model, param, quantize_view(f.get_slice(ckpt_name), ckpt_name, bits, quantize, dtype, device))
@@ -193,6 +199,39 @@ class DirectReader:
             if f.readinto(out.numpy()) != hi - lo:
                 raise CheckpointError(f"{self.path.name}: truncated tensor {name}")
         return out.view(dtype).reshape(info["shape"])
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.get(name)
+
+    def get_slice(self, name: str) -> DirectSlice:
+        return DirectSlice(self, name)
+
+
+class DirectSlice:
+    """Rows of one tensor of a `DirectReader`, with the part of safetensors' slice API the loaders use."""
+
+    def __init__(self, reader: DirectReader, name: str):
+        self.reader, self.name, self.info = reader, name, reader.header[name]
+
+    def get_shape(self) -> list[int]:
+        return list(self.info["shape"])
+
+    def get_dtype(self) -> str:
+        return self.info["dtype"]
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        shape, dtype = self.info["shape"], _ST_DTYPES.get(self.info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{self.reader.path.name}: tensor {self.name} has unsupported dtype "
+                                  f"{self.info['dtype']}")
+        lo, hi, _ = rows.indices(shape[0])
+        row = math.prod(shape[1:]) * dtype.itemsize
+        out = torch.empty(max(0, hi - lo) * row, dtype=torch.uint8)
+        with open(self.reader.path, "rb") as f:
+            f.seek(self.reader.base + self.info["data_offsets"][0] + lo * row)
+            if f.readinto(out.numpy()) != out.numel():
+                raise CheckpointError(f"{self.reader.path.name}: truncated tensor {self.name}")
+        return out.view(dtype).reshape(-1, *shape[1:])
 
 
 def _prequantized(directory: Path, files, by_ckpt, targets, quantize) -> tuple[dict[str, list[str]], set[str]]:
