@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dgemma.api import DEMO_MODEL
-from dgemma.errors import ConfigError
+from dgemma.errors import ConfigError, DgemmaError
 from dgemma.quant import IntWeight
 from dgemma.train.config import make_config
 from dgemma.train.trainer import Trainer
@@ -53,3 +53,47 @@ def test_qlora_trains_only_adapters_over_a_frozen_int4_base(tmp_path):
 def test_qlora_config_errors(tmp_path, over, message):
     with pytest.raises(ConfigError, match=message):
         _config(tmp_path, **over)
+
+
+def _encoder_logits(model, ids):
+    with torch.no_grad():
+        return model.head(model.encode(ids, model.new_cache(1, 32)))
+
+
+@pytest.mark.slow
+def test_lora_on_a_prequantized_base_merges_in_full_precision_or_requantized(tmp_path):
+    """A LoRA run on a checkpoint stored in int4 exports the merge in full precision (the base dequantized, the
+    adapter folded in: what the training model computes), and --merge-adapter --quantize writes it in int4."""
+    import argparse
+    import json
+
+    from dgemma.convert import run as quantize_run
+    from dgemma.train.command import add_arguments, run
+    from dgemma.weights import load_model
+
+    base = tmp_path / "q4"
+    quantize_run(argparse.Namespace(model=str(DEMO_MODEL), to="int4", out=str(base)))
+    trainer = Trainer(_config(tmp_path, model=str(base), quantize=None, steps=3), progress=False)
+    final = trainer.run()
+    ids = torch.tensor([[2, 40, 41, 300, 17]])
+    adapted = _encoder_logits(trainer.model, ids)
+    assert not torch.allclose(adapted, _encoder_logits(load_model(base), ids), atol=1e-4)
+    merged = load_model(final)
+    assert not any(isinstance(m, IntWeight) for m in merged.modules())
+    assert torch.allclose(_encoder_logits(merged, ids), adapted, atol=1e-4)
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "merged-int4"
+    assert run(parser.parse_args(["--merge-adapter", str(tmp_path / "run" / "adapter"), "--model", str(base),
+                                  "--quantize", "int4", "--out", str(out)])) == 0
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == \
+        "compressed-tensors"
+    requantized = load_model(out)
+    assert any(isinstance(m, IntWeight) for m in requantized.modules())
+    got = _encoder_logits(requantized, ids)
+    assert (got - adapted).norm() / adapted.norm() < 0.1  # int4 rounding of the merged weights, nothing more
+    for scheme, message in (("int4", "not empty"), ("int4+a8", "written as int8, int4 or nvfp4")):
+        with pytest.raises(DgemmaError, match=message):
+            run(parser.parse_args(["--merge-adapter", str(tmp_path / "run" / "adapter"), "--model", str(base),
+                                   "--quantize", scheme, "--out", str(out)]))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 from dgemma.errors import DgemmaError
@@ -41,7 +42,8 @@ _FLAGS = {
     "--seed": ("seed", int, "seed of the initialisation, data order and noise"),
     "--device": ("device", str, "torch device (cpu, cuda)"),
     "--threads": ("threads", int, "CPU threads (1 is fastest on a busy 2-core machine)"),
-    "--quantize": ("quantize", str, "with --lora (QLoRA): quantize the frozen base while loading: int8 or int4"),
+    "--quantize": ("quantize", str, "with --lora (QLoRA): quantize the frozen base while loading: int8 or int4; "
+                   "with --merge-adapter: write the merged checkpoint quantized (int8, int4, nvfp4)"),
     "--parallel": ("parallel", str, "under torchrun: fsdp (shard weights, gradients and optimizer; default) or ddp "
                    "(whole model on every rank, gradients averaged: LoRA with a base that fits)"),
     "--backend": ("backend", str, "under torchrun: auto (nccl on cuda, gloo on cpu), gloo or nccl"),
@@ -61,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-resume", action="store_true", help="ignore checkpoints already in --out")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--merge-adapter", metavar="ADAPTER_DIR",
-                        help="instead of training: merge this LoRA adapter into --model and write --out")
+                        help="instead of training: merge this LoRA adapter into --model (a quantized base is "
+                             "dequantized first) and write --out, in full precision or --quantize")
 
 
 def _config_values(args: argparse.Namespace) -> dict:
@@ -103,9 +106,11 @@ def run(args: argparse.Namespace) -> int:
 def run_merge(args: argparse.Namespace) -> int:
     """--merge-adapter ADAPTER --model BASE --out DIR: a full checkpoint with the adapter folded in (on the CPU)."""
     from dgemma.dtypes import parse_dtype
+    from dgemma.quant import parse_quantize
     from dgemma.train.checkpoint import generation_config
     from dgemma.train.lora import export_merged
-    from dgemma.weights.hf import read_config, resolve_checkpoint
+    from dgemma.weights.compressed import save_compressed
+    from dgemma.weights.hf import load_model, read_config, resolve_checkpoint
 
     adapter = Path(args.merge_adapter)
     base = args.model or _adapter_base(adapter)
@@ -118,8 +123,20 @@ def run_merge(args: argparse.Namespace) -> int:
     gen_cfg = generation_config(list(t.eos_token_id), t.pad_token_id, t.bos_token_id, base_dir=base_dir)
     dtype = parse_dtype(args.save_dtype or "float32", "save_dtype")
     tokenizer_dir = Path(args.tokenizer) if args.tokenizer else base_dir
-    out = export_merged(base_dir, adapter, Path(args.out), tokenizer_dir, gen_cfg, dtype)
-    print(json.dumps({"merged": str(out)}))
+    if not args.quantize:
+        out = export_merged(base_dir, adapter, Path(args.out), tokenizer_dir, gen_cfg, dtype)
+        print(json.dumps({"merged": str(out)}))
+        return 0
+    spec = parse_quantize(args.quantize)
+    if not spec.requantizes or spec.int8_activations:
+        raise DgemmaError(f"--quantize {args.quantize}: a merged checkpoint is written as int8, int4 or nvfp4")
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise DgemmaError(f"{out} exists and is not empty; choose another --out")
+    with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
+        merged = export_merged(base_dir, adapter, Path(tmp) / "merged", tokenizer_dir, gen_cfg, dtype)
+        save_compressed(load_model(merged, dtype, "cpu", spec), merged, out)
+    print(json.dumps({"merged": str(out), "quantized": spec.name}))
     return 0
 
 

@@ -47,9 +47,11 @@ def save_adapter(peft_model, directory: Path, base: str | None, state_dict: dict
 
 
 def merge_adapter(model: torch.nn.Module, adapter_dir: str | Path) -> torch.nn.Module:
-    """Apply a saved adapter to `model` (a plain DiffusionGemma) and fold it in; returns the plain model."""
+    """Apply a saved adapter to `model` (a plain DiffusionGemma; quantized weights are dequantized first, so a
+    quantized base merges in full precision) and fold it in; returns the plain model."""
     from peft import PeftModel
 
+    dequantize_weights(model)
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / "adapter_config.json").is_file():
         raise DgemmaError(f"{adapter_dir}: not a LoRA adapter directory (no adapter_config.json)")
@@ -58,6 +60,17 @@ def merge_adapter(model: torch.nn.Module, adapter_dir: str | Path) -> torch.nn.M
     except (ValueError, RuntimeError, KeyError, TypeError, AttributeError, OSError) as e:
         raise DgemmaError(f"{adapter_dir}: cannot apply the adapter to this model ({e})") from None
     return peft_model.merge_and_unload()
+
+
+def dequantize_weights(model: torch.nn.Module) -> None:
+    """Replace every quantized weight of `model` with a float parameter of its values (in its float dtype)."""
+    from dgemma.weights.quantize import quantized_weights
+
+    for name, weight in quantized_weights(model).items():
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        delattr(module, leaf)
+        module.register_parameter(leaf, torch.nn.Parameter(weight.dequantize(), requires_grad=False))
 
 
 def export_merged(base_dir: Path, adapter_dir: Path, out: Path, tokenizer_dir: Path | None,
