@@ -64,7 +64,7 @@ class NVFP4Weight(QuantizedWeight):
         self.register_buffer("packed", packed)
         self.register_buffer("scales", scales)
         self.register_buffer("global_scale", global_scale.float())
-        self.register_buffer("table", torch.tensor(E2M1, device=packed.device), persistent=False)
+        self.register_buffer("pairs", _pairs(packed.device), persistent=False)
 
     @property
     def group_size(self) -> int:
@@ -75,12 +75,20 @@ class NVFP4Weight(QuantizedWeight):
         scale = self.scales[sel].float()
         g = self.global_scale[sel]
         scale = scale / g if self.divide else scale * g
-        values = torch.stack([self.table[(p & 15).int()], self.table[(p >> 4).int()]], dim=-1)
-        grouped = out.view(*out.shape[:-1], -1, NVFP4_GROUP)
-        grouped.copy_(values.view(grouped.shape) * scale[..., None])
+        values = out if out.dtype == torch.float32 else torch.empty(out.shape, device=out.device)
+        torch.index_select(self.pairs, 0, p.reshape(-1).int(), out=values.view(-1, 2))  # one gather per byte
+        values.view(*out.shape[:-1], -1, NVFP4_GROUP).mul_(scale[..., None])
+        if values is not out:
+            out.copy_(values)
 
     def rebuild(self, buffers: dict[str, torch.Tensor]) -> NVFP4Weight:
         return NVFP4Weight(buffers["packed"], buffers["scales"], buffers["global_scale"], self.dtype, self.divide)
+
+
+def _pairs(device) -> torch.Tensor:
+    """[256, 2] float32: the two E2M1 values (low nibble first) of every code byte."""
+    table, byte = torch.tensor(E2M1, device=device), torch.arange(256, device=device)
+    return torch.stack([table[byte & 15], table[byte >> 4]], dim=-1)
 
 
 def _check_nvfp4(name: str, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor) -> None:
