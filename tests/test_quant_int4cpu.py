@@ -52,3 +52,26 @@ def test_cpu_loads_convert_int4_expert_stacks():
     assert isinstance(experts.gate_up_proj, CPUInt4Experts) and isinstance(experts.down_proj, CPUInt4Experts)
     assert isinstance(model.module.layers[0].self_attn.q_proj.weight, IntWeight)
     assert len(model.generate("The king", max_new_tokens=8, seed=0, max_denoising_steps=4).token_ids) == 8
+
+
+def test_convert_frees_each_stack_before_the_next(monkeypatch):
+    """Converting a model must not hold two copies of its experts: each replaced stack is gone (no reference left)
+    before the next one is converted (the 26B real-shape load ran out of memory when convert kept them all)."""
+    import gc
+    import weakref
+
+    layer = lambda i: torch.nn.ModuleDict({"gate_up": _stack(seed=i), "down": _stack(seed=9 + i)})  # noqa: E731
+    model = torch.nn.ModuleDict({f"layer{i}": layer(i) for i in range(3)})
+    old = [weakref.ref(m) for m in model.modules() if isinstance(m, IntWeight)]
+    alive_at_each_call = []
+    real = CPUInt4Experts.from_int.__func__
+
+    def watched(cls, w):
+        gc.collect()
+        alive_at_each_call.append(sum(r() is not None for r in old))
+        return real(cls, w)
+
+    monkeypatch.setattr(CPUInt4Experts, "from_int", classmethod(watched))
+    assert int4cpu.convert(model) == 6
+    assert alive_at_each_call == [6, 5, 4, 3, 2, 1]
+    assert all(isinstance(m, CPUInt4Experts) for layer in model.values() for m in layer.values())

@@ -107,11 +107,11 @@ class CPUInt4Experts(QuantizedWeight):
 
 def convert(module: torch.nn.Module) -> int:
     """Replace every int4 expert stack of `module` (an `IntWeight` [E, N, K] whose group the kernel takes) with its
-    `CPUInt4Experts`; returns how many were converted."""
-    count = 0
-    for owner in list(module.modules()):
-        for name, w in list(owner.named_children()):
-            if isinstance(w, IntWeight) and w.bits == 4 and len(w.shape) == 3 and w.group_size in GROUPS:
-                setattr(owner, name, CPUInt4Experts.from_int(w))
-                count += 1
-    return count
+    `CPUInt4Experts`, one at a time (only names are listed first: each old stack is freed as soon as it is
+    replaced, so converting never holds a second copy of the model's experts); returns how many were converted."""
+    targets = [(owner, name) for owner, parent in module.named_modules() for name, w in parent.named_children()
+               if isinstance(w, IntWeight) and w.bits == 4 and len(w.shape) == 3 and w.group_size in GROUPS]
+    for owner, name in targets:
+        parent = module.get_submodule(owner)
+        setattr(parent, name, CPUInt4Experts.from_int(getattr(parent, name)))
+    return len(targets)
