@@ -190,15 +190,20 @@ class DirectReader:
     def get(self, name: str) -> torch.Tensor:
         info = self.header[name]
         lo, hi = info["data_offsets"]
+        return self.read(name, 0, hi - lo).reshape(info["shape"])
+
+    def read(self, name: str, skip: int, nbytes: int) -> torch.Tensor:
+        """`nbytes` of tensor `name` from byte `skip` of its data, as a flat tensor of its dtype."""
+        info = self.header[name]
         dtype = _ST_DTYPES.get(info["dtype"])
         if dtype is None:
             raise CheckpointError(f"{self.path.name}: tensor {name} has unsupported dtype {info['dtype']}")
-        out = torch.empty(hi - lo, dtype=torch.uint8)
+        out = torch.empty(nbytes, dtype=torch.uint8)
         with open(self.path, "rb") as f:
-            f.seek(self.base + lo)
-            if f.readinto(out.numpy()) != hi - lo:
+            f.seek(self.base + info["data_offsets"][0] + skip)
+            if f.readinto(out.numpy()) != nbytes:
                 raise CheckpointError(f"{self.path.name}: truncated tensor {name}")
-        return out.view(dtype).reshape(info["shape"])
+        return out.view(dtype)
 
     def get_tensor(self, name: str) -> torch.Tensor:
         return self.get(name)
@@ -220,18 +225,11 @@ class DirectSlice:
         return self.info["dtype"]
 
     def __getitem__(self, rows: slice) -> torch.Tensor:
-        shape, dtype = self.info["shape"], _ST_DTYPES.get(self.info["dtype"])
-        if dtype is None:
-            raise CheckpointError(f"{self.reader.path.name}: tensor {self.name} has unsupported dtype "
-                                  f"{self.info['dtype']}")
+        shape = self.info["shape"]
         lo, hi, _ = rows.indices(shape[0])
-        row = math.prod(shape[1:]) * dtype.itemsize
-        out = torch.empty(max(0, hi - lo) * row, dtype=torch.uint8)
-        with open(self.reader.path, "rb") as f:
-            f.seek(self.reader.base + self.info["data_offsets"][0] + lo * row)
-            if f.readinto(out.numpy()) != out.numel():
-                raise CheckpointError(f"{self.reader.path.name}: truncated tensor {self.name}")
-        return out.view(dtype).reshape(-1, *shape[1:])
+        lo_byte, hi_byte = self.info["data_offsets"]
+        row = (hi_byte - lo_byte) // shape[0] if shape[0] else 0
+        return self.reader.read(self.name, lo * row, max(0, hi - lo) * row).reshape(-1, *shape[1:])
 
 
 def _prequantized(directory: Path, files, by_ckpt, targets, quantize) -> tuple[dict[str, list[str]], set[str]]:
