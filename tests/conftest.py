@@ -27,3 +27,19 @@ def eos_server(served_pair):
 @pytest.fixture(scope="module")
 def openai_client(served_pair):
     return served_pair[1]
+
+
+@pytest.fixture(scope="module")
+def float_ckpt(tmp_path_factory):
+    """A tiny random model in bf16 (widths divisible by 32, so every quantization scheme's groups fit)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from build_bench_checkpoint import bench_config, randomise
+
+    from dgemma.model import DiffusionGemma
+    from dgemma.weights import save_model
+
+    out = tmp_path_factory.mktemp("float")
+    model = DiffusionGemma(bench_config(hidden=64, layers=2, vocab=512, canvas=16)).eval()
+    randomise(model, 0)
+    save_model(model, out, dtype=torch.bfloat16)
+    return out

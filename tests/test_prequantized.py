@@ -13,31 +13,17 @@ from safetensors.torch import load_file, save_file
 
 import dgemma
 from dgemma.errors import CheckpointError
-from dgemma.model import DiffusionGemma
 from dgemma.quant import QuantizedWeight
-from dgemma.weights import save_model
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import BaseCompressor  # noqa: E402
 from compressed_tensors.quantization import preset_name_to_scheme  # noqa: E402
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from build_bench_checkpoint import bench_config, randomise  # noqa: E402
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 SCHEMES = {"W4A16": "pack-quantized", "W8A16": "pack-quantized", "FP8_DYNAMIC": "float-quantized",
            "FP8_BLOCK": "float-quantized", "NVFP4": "nvfp4-pack-quantized", "INT8": "int-quantized"}
-
-
-@pytest.fixture(scope="module")
-def float_ckpt(tmp_path_factory):
-    """A tiny random model in bf16 (widths divisible by 32, so every scheme's groups fit)."""
-    out = tmp_path_factory.mktemp("float")
-    model = DiffusionGemma(bench_config(hidden=64, layers=2, vocab=512, canvas=16)).eval()
-    randomise(model, 0)
-    save_model(model, out, dtype=torch.bfloat16)
-    return out
 
 
 def _scheme(preset):

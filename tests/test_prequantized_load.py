@@ -2,8 +2,6 @@
 library's own packing), each shard's header parsed once, unfused experts re-stacked in place, with one-line errors."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,15 +9,12 @@ from safetensors.torch import load_file, save_file
 
 import dgemma
 from dgemma.errors import CheckpointError
-from dgemma.model import DiffusionGemma
 from dgemma.quant import IntWeight, NVFP4Weight, parse_quantize, unpack_int4
-from dgemma.weights import compressed, hf, save_model
+from dgemma.weights import compressed, hf
 from dgemma.weights.prequantized import _pack_quantized, read_linear
 
 helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from build_bench_checkpoint import bench_config, randomise  # noqa: E402
 
 
 @pytest.mark.parametrize("k,group", [(64, 32), (256, 128), (40, 8), (36, 4), (36, 6)])
@@ -37,13 +32,9 @@ def test_int4_repack_keeps_the_library_codes(k, group):
 
 
 @pytest.fixture(scope="module")
-def int4_model(tmp_path_factory):
+def int4_model(float_ckpt):
     """A tiny random float checkpoint and its int4 quantize-on-load model."""
-    src = tmp_path_factory.mktemp("float")
-    model = DiffusionGemma(bench_config(hidden=64, layers=2, vocab=512, canvas=16)).eval()
-    randomise(model, 0)
-    save_model(model, src, dtype=torch.bfloat16)
-    return src, dgemma.load(src, quantize=parse_quantize("int4")).module
+    return float_ckpt, dgemma.load(float_ckpt, quantize=parse_quantize("int4")).module
 
 
 def _buffers(module) -> dict[str, torch.Tensor]:
