@@ -109,7 +109,7 @@ def run_merge(args: argparse.Namespace) -> int:
     from dgemma.quant import parse_quantize
     from dgemma.train.checkpoint import generation_config
     from dgemma.train.lora import export_merged
-    from dgemma.weights.compressed import save_compressed
+    from dgemma.weights.compressed import check_out, save_compressed
     from dgemma.weights.hf import load_model, read_config, resolve_checkpoint
 
     adapter = Path(args.merge_adapter)
@@ -131,8 +131,7 @@ def run_merge(args: argparse.Namespace) -> int:
     if not spec.requantizes or spec.int8_activations:
         raise DgemmaError(f"--quantize {args.quantize}: a merged checkpoint is written as int8, int4 or nvfp4")
     out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise DgemmaError(f"{out} exists and is not empty; choose another --out")
+    check_out(out)
     with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
         merged = export_merged(base_dir, adapter, Path(tmp) / "merged", tokenizer_dir, gen_cfg, dtype)
         save_compressed(load_model(merged, dtype, "cpu", spec), merged, out)

@@ -111,10 +111,15 @@ def _target(module: str) -> str:
     return name
 
 
-def save_compressed(model, source: Path, out: Path) -> Path:
-    """Write `model` (quantized on load from `source`) as a compressed-tensors checkpoint at `out`, atomically."""
+def check_out(out: Path) -> None:
+    """`out` may be written: it does not exist or is empty (callers with long work before writing check first)."""
     if out.exists() and any(out.iterdir()):
         raise DgemmaError(f"{out} exists and is not empty; choose another --out")
+
+
+def save_compressed(model, source: Path, out: Path) -> Path:
+    """Write `model` (quantized on load from `source`) as a compressed-tensors checkpoint at `out`, atomically."""
+    check_out(out)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
