@@ -4,6 +4,7 @@ for native bf16 matmuls. torch is imported lazily so that argument parsing stays
 from __future__ import annotations
 
 import functools
+import os
 
 from dgemma.errors import ConfigError
 
@@ -21,10 +22,21 @@ def parse_dtype(name, what: str = "dtype"):
     return getattr(torch, name)
 
 
-@functools.cache
+POLICY_ENV = "DGEMMA_NATIVE_BF16"  # "0" / "1" forces the CPU policy (tests run both; a CPU that misreports)
+
+
 def native_bf16(device_type: str) -> bool:
     """True where bf16 matmuls run at full speed: CUDA GPUs with bf16, CPUs with AVX512-BF16 or AMX. On other
-    CPUs bf16 GEMMs run tens of times slower than float32 ones."""
+    CPUs bf16 GEMMs run tens of times slower than float32 ones. `DGEMMA_NATIVE_BF16=0|1` overrides the CPU's
+    answer."""
+    forced = os.environ.get(POLICY_ENV)
+    if device_type == "cpu" and forced in ("0", "1"):
+        return forced == "1"
+    return _detected(device_type)
+
+
+@functools.cache
+def _detected(device_type: str) -> bool:
     import torch
 
     if device_type == "cpu":

@@ -156,11 +156,11 @@ def test_k_quants_requantised_from_the_exact_values(checkpoint, tmp_path):
 def test_quantize_option_on_gguf(checkpoint, tmp_path):
     """--quantize on a GGUF file: Q4_0 into int8 is exact, Q8_0 into int4 is re-quantised from the exact values."""
     q4 = write_gguf(checkpoint, tmp_path / "q4.gguf", Q.Q4_0)
-    model = dgemma.load(q4, quantize="int8").module
+    model = dgemma.load(q4, quantize="int8", dtype="float32").module  # the float32 GGUF's values, exactly
     assert model.layers[0].self_attn.q_proj.weight.bits == 8
     assert _check_bitwise(model, q4) > 50
     q8 = write_gguf(checkpoint, tmp_path / "q8.gguf", Q.Q8_0)
-    model = dgemma.load(q8, quantize="int4").module
+    model = dgemma.load(q8, quantize="int4", dtype="float32").module
     w = model.layers[1].mlp.down_proj.weight
     want = quantize_tensor(torch.from_numpy(np.array(_reference_weights(q8)["blk.1.ffn_down.weight"])), 4, 32)
     assert w.bits == 4 and torch.equal(w.qweight, want.qweight)

@@ -1,5 +1,7 @@
 """Prefix caching: later turns and shared prefixes continue from a copy of an earlier request's cache; outputs
-are the ids the engine gives without it (bundled model, fixed seeds); hits, misses, eviction, sharing."""
+are the ids the engine gives without it (bundled model, fixed seeds, float32); hits, misses, eviction, sharing.
+In bf16 a continued cache rounds differently from a fresh prefill: the reuse holds, logits agree within bf16
+rounding, ids may differ."""
 
 import pytest
 import torch
@@ -12,7 +14,18 @@ from dgemma.sampling import SamplingParams
 
 @pytest.fixture(scope="module")
 def demo():
-    return dgemma.load()
+    return dgemma.load(dtype="float32")  # the exactness claims hold in float32, on every CPU
+
+
+@pytest.fixture(scope="module")
+def demo_bf16():
+    return dgemma.load(dtype="bfloat16")
+
+
+@pytest.fixture(params=["float32", "bfloat16"])
+def either(request):
+    """(model, exact): the demo in float32 (ids equal with and without the cache) and in bf16."""
+    return request.getfixturevalue("demo" if request.param == "float32" else "demo_bf16"), request.param == "float32"
 
 
 def _engine(demo, budget=None):
@@ -33,15 +46,16 @@ def _ids(demo, n, seed):
     return torch.randint(3, demo.module.cfg.text.vocab_size, (n,), generator=g).tolist()
 
 
-def test_multi_turn_reuses_prompt_and_answer_with_identical_outputs(demo):
+def test_multi_turn_reuses_prompt_and_answer_with_identical_outputs(either):
     """Three turns, each prompt the previous prompt + answer + a new message, the history crossing the sliding
-    window: with the cache each turn starts from the previous turn's prompt and answer, and every answer equals
-    the answer without it."""
+    window: with the cache each turn starts from the previous turn's prompt and answer, and (float32) every
+    answer equals the answer without it."""
+    demo, exact = either
     cached, plain = _engine(demo, 64 << 20), _engine(demo)
     history, reusable = _ids(demo, 150, 0), 0
     for turn in range(3):
         (a,), (b,) = _run(cached, [history], [turn]), _run(plain, [history], [turn])
-        assert a.output == b.output and a.output
+        assert a.output and (a.output == b.output or not exact)
         assert a.stats.cached_tokens == reusable  # the previous turn's prompt and answer
         reusable = len(history) + len(a.output)
         history = history + a.output + _ids(demo, 20, turn + 1)
@@ -63,7 +77,8 @@ def test_requests_sharing_a_prefix_in_one_batch(demo):
 
 
 @torch.no_grad()
-def test_hits_misses_partial_matches_and_eviction(demo):
+def test_hits_misses_partial_matches_and_eviction(either):
+    demo, exact = either
     m = demo.module
     room = m.cfg.canvas_length
 
@@ -80,7 +95,8 @@ def test_hits_misses_partial_matches_and_eviction(demo):
     cache, n = p.lookup(long[:-room // 2] + [5, 6])  # within the ring's reach: usable, continued exactly
     assert n == len(long) - room // 2
     want = m.head(m.encode(torch.tensor([[5, 6]]), cache_of(long[:-room // 2])))
-    assert (m.head(m.encode(torch.tensor([[5, 6]]), cache)) - want).abs().max() <= 1e-4
+    # float32: summation order only; bf16: its rounding of logits of magnitude ~5 (a wrong cache moves them by units)
+    assert (m.head(m.encode(torch.tensor([[5, 6]]), cache)) - want).abs().max() <= (1e-4 if exact else 0.1)
     assert p.lookup(long[:-room - 5] + [5]) == (None, 0)  # the rings no longer hold that far back
     for seed in (9, 10):
         other = _ids(demo, len(long), seed)

@@ -105,7 +105,8 @@ def _weights(model):
 
 
 def _expert_rows(w: QuantizedWeight, e: int, which: str) -> torch.Tensor:
-    rows = w.dequantize(slice(e, e + 1))[0]
+    """Expert e's rows decoded in float32 (exact for every format), whatever dtype the model runs in."""
+    rows = w.dequantize(slice(e, e + 1), torch.float32)[0]
     half = rows.shape[0] // 2
     return {"gate_proj": rows[:half], "up_proj": rows[half:], "down_proj": rows}[which]
 

@@ -47,7 +47,9 @@ def test_compute_losses_is_the_same_for_any_chunk_size(monkeypatch):
         results.append((losses.total.detach(), [p.grad for p in model.parameters()]))
     (loss_a, grads_a), (loss_b, grads_b) = results
     assert torch.allclose(loss_a, loss_b, atol=1e-5, rtol=0)
-    assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-4) for a, b in zip(grads_a, grads_b) if a is not None)
+    # float32 summation order differs with the chunking (and by CPU kernel): 1e-4 of each gradient's scale
+    assert all(torch.allclose(a, b, atol=1e-4 * b.abs().max().item(), rtol=1e-4)
+               for a, b in zip(grads_a, grads_b) if a is not None)
 
 
 def test_lora_base_in_bfloat16_adapters_in_float32(tmp_path):
