@@ -11,6 +11,7 @@ from dgemma.config import TextConfig
 from dgemma.instruments import Recorder
 from dgemma.model import moe
 from dgemma.model.moe import Experts
+from dgemma.quant import base as quant_base
 
 
 def _benchmark():
@@ -63,12 +64,13 @@ def test_grouped_matches_loop_bf16_and_converted(monkeypatch):
     want = loop_oracle(experts, x, weights, ids).float()
     assert (experts(x, weights, ids).float() - want).abs().max() <= 2e-2
     monkeypatch.setattr(moe, "gemm_dtype", lambda w: torch.float32)  # force the converted path
-    monkeypatch.setattr(moe, "_local", threading.local())
+    monkeypatch.setattr(quant_base, "_local", threading.local())
     buffers = set()
-    for _ in range(2):
-        assert (experts(x, weights, ids).float() - want).abs().max() <= 2e-2
-        buffers.add(moe._local.workspace.data_ptr())
-    assert len(buffers) == 1 and moe._local.workspace.numel() == experts.gate_up_proj.numel()  # one, reused
+    for inference in (True, False, False):  # first made in inference mode, then reused outside it (training)
+        with torch.inference_mode(inference):
+            assert (experts(x, weights, ids).float() - want).abs().max() <= 2e-2
+        buffers.add(quant_base._local.buffers[torch.float32, x.device].data_ptr())
+    assert len(buffers) == 1  # one workspace, shared with the quantized formats' decoding, reused
 
 
 @torch.no_grad()

@@ -7,7 +7,6 @@ so the layer launches the same few kernels whatever the routing.
 
 from __future__ import annotations
 
-import threading
 
 import torch
 from torch import nn
@@ -15,6 +14,7 @@ from torch import nn
 from dgemma.config import TextConfig
 from dgemma.model.layers import Linear, RMSNorm, gelu_tanh, gemm_dtype
 from dgemma.quant import QuantizedWeight, compute_dtype
+from dgemma.quant.base import workspace
 
 class Router(nn.Module):
     def __init__(self, cfg: TextConfig):
@@ -63,18 +63,12 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tens
     return _padded_mm(x, w, ends)
 
 
-_local = threading.local()
-
-
 def _converted(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """w in `dtype`, written into a per-thread workspace that every layer reuses: a fresh allocation of a whole
     stack costs several times the conversion in page faults (docs/kernels.md). Autograd gets its own copy."""
     if torch.is_grad_enabled() and w.requires_grad:
         return w.to(dtype)
-    ws = getattr(_local, "workspace", None)
-    if ws is None or ws.numel() < w.numel() or ws.dtype != dtype or ws.device != w.device:
-        ws = _local.workspace = torch.empty(w.numel(), dtype=dtype, device=w.device)
-    return ws[:w.numel()].view(w.shape).copy_(w)
+    return workspace(w.numel(), dtype, w.device, fresh=False).view(w.shape).copy_(w)
 
 
 def expert_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
