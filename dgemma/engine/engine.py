@@ -21,7 +21,7 @@ from dgemma.engine.request import Event, Request
 from dgemma.engine.runner import Runner
 from dgemma.model import DiffusionGemma
 from dgemma.sampling import random_tokens
-from dgemma.sampling.constrained import Head, constrain_step, finish_rows, start_canvas
+from dgemma.sampling.constrained import constrain_step, finish_rows, start_canvas
 from dgemma.sampling.logprobs import canvas_logprobs
 from dgemma.sampling.seeded import seed_canvas, seed_step
 from dgemma.sampling.fused import fast_step
@@ -163,17 +163,16 @@ class Engine(Runner):
         cv, model = b.canvas, self.model
         hidden = model.denoise(cv.tokens, b.caches, cv.signal)
         inv_temp = 1.0 / cv.temperature()
-        out, signal = fast_step(hidden, model.embed_tokens.weight, model.cfg.text.final_logit_softcapping,
-                                model.embed_scale, inv_temp, cv.entropy_bound,
-                                [r.generator for r in b.rows], cv.frozen, want_signal=not cv.last_step(b.rows))
+        out, signal = fast_step(hidden, model.lm_head, inv_temp, cv.entropy_bound, [r.generator for r in b.rows],
+                                cv.frozen, want_signal=not cv.last_step(b.rows))
         out = seed_step([None if r.finished else r.seeded for r in b.rows], out)
         grammars = [None if r.finished else r.grammar for r in b.rows]
         if any(grammars):
-            out = constrain_step(grammars, out, hidden, self._head(), inv_temp,
+            out = constrain_step(grammars, out, hidden, self.model.lm_head, inv_temp,
                                  [r.generator for r in b.rows], cv.frozen)
         cv.advance(b.rows, out, signal)
         if any(grammars):
-            cv.mark_done(finish_rows(grammars, cv.argmax, hidden, self._head(), self._ending(b.rows)))
+            cv.mark_done(finish_rows(grammars, cv.argmax, hidden, self.model.lm_head, self._ending(b.rows)))
         ending = self._ending(b.rows)  # with the rows whose grammar prefix just completed
         if any(r.params.logprobs is not None for r in b.rows):
             self._logprobs(b.rows, hidden, inv_temp.tolist(), ending)
@@ -181,9 +180,6 @@ class Engine(Runner):
         cv.drafts(b.rows, events)
         if cv.over(b.rows, finished_rows_count=False):
             b.pending, b.canvas = cv.commit(b.rows, self.pad_id, events), None
-
-    def _head(self) -> Head:
-        return Head(self.model.embed_tokens.weight, self.model.cfg.text.final_logit_softcapping)
 
     def _ending(self, rows) -> list[bool]:
         """Rows whose canvas ends at this step: done, or out of denoising steps."""
@@ -195,5 +191,5 @@ class Engine(Runner):
         cv = self.batch.canvas
         for i, r in enumerate(rows):
             if r.params.logprobs is not None and ending[i] and r.canvas_logprobs is None and not r.finished:
-                r.canvas_logprobs = canvas_logprobs(hidden[i], cv.argmax[i].tolist(), self._head(), inv_temp[i],
+                r.canvas_logprobs = canvas_logprobs(hidden[i], cv.argmax[i].tolist(), self.model.lm_head, inv_temp[i],
                                                     r.params.logprobs)

@@ -17,7 +17,8 @@ from dgemma.cache.kv import POSITION_DTYPE
 from dgemma.config import ModelConfig, TextConfig
 from dgemma.model.attention import Attention, Part, Span
 from dgemma.model.blocked import CausalMask
-from dgemma.model.layers import GatedMLP, RMSNorm, matmul, rope_cos_sin
+from dgemma.model.head import Head
+from dgemma.model.layers import GatedMLP, RMSNorm, rope_cos_sin
 from dgemma.model.moe import Experts, Router
 from dgemma.quant import QuantizedWeight
 
@@ -93,6 +94,7 @@ class DiffusionGemma(nn.Module):
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
         self.self_conditioning = SelfConditioning(t)
         self.embed_scale = t.hidden_size**0.5
+        self.lm_head = Head(self.embed_tokens, t.final_logit_softcapping, self.embed_scale)  # not a submodule
 
     @property
     def dtype(self) -> torch.dtype:
@@ -113,17 +115,11 @@ class DiffusionGemma(nn.Module):
 
     def soft_embed(self, logits: torch.Tensor) -> torch.Tensor:
         """softmax(logits) @ E * sqrt(H): the self-conditioning signal."""
-        w = self.embed_tokens.weight
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(w.dtype)
-        soft = w.linear_t(probs) if isinstance(w, QuantizedWeight) else matmul(probs, w)
-        return soft * torch.tensor(self.embed_scale, dtype=w.dtype, device=w.device)
+        return self.lm_head.soft_embed(logits)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Tied LM head with the final softcap, float32 logits."""
-        cap = self.cfg.text.final_logit_softcapping
-        w = self.embed_tokens.weight
-        logits = (w.linear(hidden) if isinstance(w, QuantizedWeight) else matmul(hidden, w.T)).float()
-        return torch.tanh(logits / cap) * cap
+        """Tied LM head with the final softcap, float32 logits (`model/head.py`)."""
+        return self.lm_head.logits(hidden)
 
     def encode(self, ids: torch.Tensor, cache: Caches, valid: torch.Tensor | None = None,
                positions: torch.Tensor | None = None) -> torch.Tensor:
