@@ -1,5 +1,5 @@
 """What the engine and the reference runner share: the prefill of a group of rows, one canvas's state and
-per-step bookkeeping (frozen rows, the stopper, step counts), and the events a canvas produces."""
+per-step bookkeeping (done rows, the stopper, step counts), and the events a canvas produces."""
 
 from __future__ import annotations
 
@@ -43,19 +43,21 @@ def _row_table(values: list[list[float]] | list[list[int]], device, dtype, fill)
 
 @dataclass
 class Canvas:
-    """One canvas of a batch of rows being denoised. `frozen` is the host copy of `done`, read once per step."""
+    """One canvas of a batch of rows being denoised. A row is done when it has nothing left to denoise on this
+    canvas (stable and confident, its grammar prefix complete, or out of steps); `done` is the host copy of
+    `done_mask`, read once per step."""
 
     tokens: Tensor  # [B, C] the decoder's next input
     argmax: Tensor  # [B, C] the current draft
-    done: Tensor  # [B] bool: stable and confident
-    frozen: list[bool]
+    done_mask: Tensor  # [B] bool
+    done: list[bool]
     row_steps: list[int]  # denoising steps each row has taken on this canvas
     stopper: StableConfidentStopper
     temperatures: Tensor  # [B, S] each row's schedule, padded with its last entry
     entropy_bound: Tensor  # [B]
     signal: Tensor | None = None
     accepted: Tensor | None = None  # [B, C] bool: positions whose sample the last step kept
-    stepped: list[bool] | None = None  # rows the last step moved (not frozen before it)
+    stepped: list[bool] | None = None  # rows the last step moved (not done before it)
     step: int = 0
 
     @classmethod
@@ -78,52 +80,52 @@ class Canvas:
         """Take one step's output: rows already done keep their draft, tokens and signal (as transformers
         does), the stopper sees the new drafts, and the host learns which rows are now done."""
         argmax, tokens = out.argmax, out.canvas
-        if any(self.frozen):
-            argmax = freeze_rows(self.done, self.argmax, argmax)
-            tokens = freeze_rows(self.done, self.tokens, tokens)
+        if any(self.done):
+            argmax = freeze_rows(self.done_mask, self.argmax, argmax)
+            tokens = freeze_rows(self.done_mask, self.tokens, tokens)
             if signal is not None and self.signal is not None:
-                signal = freeze_rows(self.done, self.signal, signal)
-        for i, (r, f) in enumerate(zip(rows, self.frozen)):
+                signal = freeze_rows(self.done_mask, self.signal, signal)
+        for i, (r, f) in enumerate(zip(rows, self.done)):
             r.stats.decoder_passes += not f and not r.finished
             self.row_steps[i] += not f
-        self.done = self.done | self.stopper.update(argmax, out.entropy)
+        self.done_mask = self.done_mask | self.stopper.update(argmax, out.entropy)
         self.tokens, self.argmax, self.signal, self.accepted = tokens, argmax, signal, out.accepted
-        self.stepped = [not f for f in self.frozen]
+        self.stepped = [not f for f in self.done]
         self.step += 1
-        self.frozen = self.done.tolist()  # the step's one host read
+        self.done = self.done_mask.tolist()  # the step's one host read
 
     def mark_done(self, rows: list[int]) -> None:
-        """These rows have nothing left to denoise on this canvas (e.g. their grammar prefix is complete)."""
+        """These rows are done (e.g. their grammar prefix is complete, or they are out of steps)."""
         if rows:
-            self.done[torch.tensor(rows, device=self.done.device)] = True
+            self.done_mask[torch.tensor(rows, device=self.done_mask.device)] = True
             for i in rows:
-                self.frozen[i] = True
+                self.done[i] = True
 
-    def over(self, rows: list[Request], finished_rows_count: bool) -> bool:
+    def all_done(self, rows: list[Request], finished_rows_count: bool) -> bool:
         """Every row is done or out of steps; finished rows (aborted, or ended in an earlier canvas) count as
         done unless `finished_rows_count` (the reference keeps denoising them, as transformers does)."""
         return all(f or self.step >= r.params.max_denoising_steps or (r.finished and not finished_rows_count)
-                   for f, r in zip(self.frozen, rows))
+                   for f, r in zip(self.done, rows))
 
     def last_step(self, rows: list[Request]) -> bool:
         """No row takes another step after this one: nobody reads this step's self-conditioning signal."""
         return all(f or r.finished or self.step + 1 >= r.params.max_denoising_steps
-                   for f, r in zip(self.frozen, rows))
+                   for f, r in zip(self.done, rows))
 
     def select(self, index: Tensor, keep: list[int]) -> None:
         """Keep only these rows (index [K] on the device, keep: the same as a list)."""
-        self.tokens, self.argmax, self.done = self.tokens[index], self.argmax[index], self.done[index]
+        self.tokens, self.argmax, self.done_mask = self.tokens[index], self.argmax[index], self.done_mask[index]
         self.signal = None if self.signal is None else self.signal[index]
         self.temperatures, self.entropy_bound = self.temperatures[index], self.entropy_bound[index]
         self.accepted = None if self.accepted is None else self.accepted[index]
-        self.frozen = [self.frozen[i] for i in keep]
+        self.done = [self.done[i] for i in keep]
         self.stepped = None if self.stepped is None else [self.stepped[i] for i in keep]
         self.row_steps = [self.row_steps[i] for i in keep]
         self.stopper.select(index)
 
     def drafts(self, rows: list[Request], events: list[Event]) -> None:
         """A draft event (the visible part of the current canvas and which of its positions the step accepted)
-        for each live row that asked for drafts and moved this step: a frozen row's draft would repeat itself."""
+        for each live row that asked for drafts and moved this step: a done row's draft would repeat itself."""
         live = [i for i, r in enumerate(rows) if r.drafts and not r.finished and self.stepped[i]]
         if live:
             c = self.argmax.shape[1]

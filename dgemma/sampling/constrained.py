@@ -33,10 +33,10 @@ def start_canvas(grammars: Rows, budgets: list[int], canvas_length: int) -> None
 
 
 def constrain_step(grammars: Rows, out: StepOutput, hidden: Tensor, head: Head, inv_temp: Tensor,
-                   generators: list[torch.Generator], frozen: list[bool]) -> StepOutput:
+                   generators: list[torch.Generator], done: list[bool]) -> StepOutput:
     """Apply the rule to one step's output (in place) for the live constrained rows: the frontier from masked
     logits, then the run of accepted samples the grammar allows; the rest renoised. hidden [B, C, H]."""
-    rows = [i for i, g in enumerate(grammars) if g is not None and not frozen[i] and not g.complete]
+    rows = [i for i, g in enumerate(grammars) if g is not None and not done[i] and not g.complete]
     if not rows:
         return out
     index = torch.tensor(rows, device=out.canvas.device)
@@ -56,13 +56,13 @@ def constrain_step(grammars: Rows, out: StepOutput, hidden: Tensor, head: Head, 
     return out
 
 
-def finish_rows(grammars: Rows, argmax: Tensor, hidden: Tensor, head: Head, ending: list[bool]) -> list[int]:
+def complete_rows(grammars: Rows, argmax: Tensor, hidden: Tensor, head: Head, ending: list[bool]) -> list[int]:
     """Rows whose grammar prefix is complete, after completing greedily those whose canvas ends now
     (`ending`: done or out of steps); their locked prefix is written into `argmax` [B, C], the canvas that
     commits. Returns the complete rows (the engine marks them done)."""
     complete = []
     for i, g in enumerate(grammars):
-        if g is None or g.settled or not (g.complete or ending[i]):
+        if g is None or g.written or not (g.complete or ending[i]):
             continue
         draft, start = argmax[i].tolist(), len(g.locked)
         logits = head.logits(hidden[i, start:g.limit]) if not g.complete else None  # one GEMM for the rest
@@ -71,7 +71,7 @@ def finish_rows(grammars: Rows, argmax: Tensor, hidden: Tensor, head: Head, endi
             if not (g.extend([draft[p]]) or
                     g.extend([masked_token(logits[p - start], g.allowed(), None, None)])):
                 g.give_up()
-        g.settled = True
+        g.written = True
         prefix, inside = _prefixes([g], argmax.shape[1], argmax.device)
         argmax[i] = torch.where(inside[0], prefix[0], argmax[i])
         complete.append(i)

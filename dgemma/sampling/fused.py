@@ -210,17 +210,17 @@ def _inverse_cdf(p: Tensor, u: Tensor, total: Tensor) -> Tensor:
 
 
 def fast_step(hidden: Tensor, head: Head, inv_temp: Tensor, entropy_bound: Tensor, generators: list[torch.Generator],
-              frozen: list[bool], want_signal: bool) -> tuple[StepOutput, Tensor | None]:
+              done: list[bool], want_signal: bool) -> tuple[StepOutput, Tensor | None]:
     """The fast denoising step for hidden [B, C, H]: `vocab_step`, entropy-bound acceptance, renoising; returns
     the step and the self-conditioning signal [B, C, H] (None when not wanted). Each row draws from its own
-    generator (uniforms, then renoise tokens); frozen rows draw nothing, so a row's random stream does not
+    generator (uniforms, then renoise tokens); done rows draw nothing, so a row's random stream does not
     depend on how long the rest of the batch runs. inv_temp, entropy_bound: [B]."""
     bsz, c, h = hidden.shape
     vocab, device = head.vocab_size, hidden.device
     chunk = vocab_chunk(device)
     uniforms = torch.zeros(bsz, c, num_uniforms(vocab, chunk), device=device)
     noise = torch.zeros(bsz, c, dtype=torch.long, device=device)
-    live = [i for i, f in enumerate(frozen) if not f]
+    live = [i for i, d in enumerate(done) if not d]
     for i in live:
         uniforms[i] = torch.rand(uniforms.shape[1:], generator=generators[i], device=device)
     out = vocab_step(hidden.reshape(-1, h), head.weight, head.softcap, head.scale, inv_temp.repeat_interleave(c),
