@@ -6,13 +6,26 @@ the cache, so it is a `CausalMask`, built a block at a time."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from dgemma.cache.kv import KVCache
+from dgemma.config import TextConfig
+
+
+class KVCache(Protocol):
+    """What the views read of a cache (`cache/kv.py`)."""
+
+    cfg: TextConfig
+    valid: Tensor  # [B, capacity] bool
+    length: int
+
+    def window_start(self, sliding: bool, start: int) -> int: ...
+
+    def layout(self, sliding: bool, lo: int, start: int, n: int) -> tuple[int, Tensor | None]: ...
+
+    def has_padding(self, lo: int) -> bool: ...
 
 
 class CausalMask(NamedTuple):

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dgemma.sampling.params import SamplingParamsError
+from dgemma.errors import SamplingParamsError
 
 KINDS = ("json_object", "json_schema", "regex", "lark")
 # compact JSON: no free whitespace, so a model cannot stall in an endless run of spaces
