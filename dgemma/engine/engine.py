@@ -1,10 +1,13 @@
 """The block-diffusion engine: `add_request` / `step` / `generate` / `stream` on token ids, with continuous
 batching.
 
-One batch is decoded at a time. `step()` runs one denoising step for every row; when every row's canvas is done
-(stable and confident, grammar complete, or out of steps) the canvas is committed, finished requests leave,
-waiting requests join (`Scheduler`), and the next canvas starts. A canvas is encoded into the cache lazily, at the
-start of the next one, so the last canvas of a request is never encoded. Request features (grammar, seeded
+`step()` runs one decoder pass over the batch's rows. Rows are on their own clocks (`row_clocks`, the default): a
+row whose canvas is done (stable and confident, grammar complete, or out of steps) commits it at once; at the next
+step its canvas is encoded into its cache and its next canvas starts while the other rows keep denoising, and
+waiting requests join (`Scheduler`) at every step, so done rows never ride along in a pass. With
+`row_clocks=False` the batch moves from canvas to canvas together (the earlier behaviour, kept to compare): done
+rows stay frozen in the pass until every row is done, and requests join only at that boundary. Either way a
+committed canvas is encoded lazily, so a request's last canvas never is. Request features (grammar, seeded
 canvases, logprobs, drafts) are parts called at fixed points of a canvas (`features/`). Each request has its own
 generator and positions, so its output does not depend on the rest of the batch. transformers' draw-for-draw
 sampling is `ReferenceRunner`'s job.
@@ -12,45 +15,59 @@ sampling is `ReferenceRunner`'s job.
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
 import torch
 
 from dgemma.cache import PrefixCache
 from dgemma.engine.batch import Canvas
 from dgemma.engine.features import FEATURES, Feature, Step
-from dgemma.engine.request import Event
+from dgemma.engine.request import Event, Request
 from dgemma.engine.runner import Runner
 from dgemma.engine.scheduler import Batch, Scheduler, prefill_groups
 from dgemma.model import DiffusionGemma
 from dgemma.sampling import random_tokens
 from dgemma.sampling.fused import fast_step
 
-__all__ = ["Engine", "prefill_groups"]
+__all__ = ["Engine", "EngineStats", "prefill_groups"]
+
+
+@dataclass
+class EngineStats:
+    passes: int = 0  # decoder passes
+    rows: int = 0  # rows summed over passes
+    done_rows: int = 0  # of those, rows already done (frozen: work thrown away); 0 with row clocks
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"rows_per_pass": self.rows / self.passes if self.passes else 0.0}
 
 
 class Engine(Runner):
     constrains = seeds = True
 
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], pad_id: int = 0, max_batch: int = 16,
-                 prefix_cache: PrefixCache | None = None, features: tuple[Feature, ...] = FEATURES):
+                 prefix_cache: PrefixCache | None = None, features: tuple[Feature, ...] = FEATURES,
+                 row_clocks: bool = True):
         self.scheduler = Scheduler(model, pad_id, max_batch, prefix_cache)
         super().__init__(model, eos_ids, features)
-        self.pad_id, self.max_batch, self.prefix_cache = pad_id, max_batch, prefix_cache
+        self.pad_id, self.max_batch, self.prefix_cache, self.row_clocks = pad_id, max_batch, prefix_cache, row_clocks
         self.canvas_length = model.cfg.canvas_length
+        self.stats = EngineStats()
 
     # ---- public API -------------------------------------------------------------------------------------
     @property
-    def waiting(self):
+    def waiting(self) -> list[Request]:
         return self.scheduler.waiting
 
     @waiting.setter
-    def waiting(self, rows) -> None:
+    def waiting(self, rows: list[Request]) -> None:
         self.scheduler.waiting = rows
 
     @property
     def batch(self) -> Batch | None:
         return self.scheduler.batch
 
-    def held(self) -> list:
+    def held(self) -> list[Request]:
         return self.waiting + ([] if self.batch is None else self.batch.rows)
 
     def has_work(self) -> bool:
@@ -63,26 +80,45 @@ class Engine(Runner):
     @torch.inference_mode()
     def step(self) -> list[Event]:
         events: list[Event] = []
-        if self.batch is None or self.batch.canvas is None:
-            self._boundary()
+        if self.row_clocks or self.batch is None or self.batch.canvas is None:
+            self._turnover()
         if self.batch is not None:
             self._denoise_step(events)
         return events
 
-    # ---- canvas boundaries ------------------------------------------------------------------------------
-    def _boundary(self) -> None:
-        """Encode the last canvas of the rows that go on, admit waiting requests, start the next canvas."""
+    # ---- between steps ----------------------------------------------------------------------------------
+    def _turnover(self) -> None:
+        """Rows that committed a canvas go on (finished ones leave; the others' canvases are encoded and their
+        next ones start), and waiting requests join with a fresh canvas."""
         b = self.batch
-        if b is not None and b.pending is not None and self.scheduler.prune():
-            self.model.encode(b.pending, b.caches)
-            b.pending = None
-        self.scheduler.admit()
-        if (b := self.batch) is not None:
-            tokens = random_tokens((len(b.rows), self.canvas_length), self.model.cfg.text.vocab_size,
-                                   self.model.device, [r.generator for r in b.rows])
-            for f in self.features:
-                f.start(b.rows, tokens)
-            b.canvas = Canvas.start(b.rows, tokens)
+        going_on = self._encode_pending(b) if b is not None and b.pending and self.scheduler.prune() else []
+        joined = self.scheduler.admit()
+        if (b := self.batch) is None:
+            return
+        if b.canvas is None:  # a new batch, or the batch-wide boundary: every row starts
+            b.canvas = self._fresh(b.rows)
+            return
+        if going_on:
+            b.canvas.put(going_on, self._fresh([b.rows[i] for i in going_on]))
+        if joined:
+            b.canvas.extend(self._fresh(joined))
+
+    def _encode_pending(self, b: Batch) -> list[int]:
+        """Encode the committed canvases of the rows still in the batch; returns their indices."""
+        at = {id(r): i for i, r in enumerate(b.rows)}
+        going = [(at[id(r)], ids) for r, ids in b.pending if id(r) in at]
+        b.pending = []
+        if going:
+            self.model.encode(torch.stack([ids for _, ids in going]), [b.caches[i] for i, _ in going])
+        return [i for i, _ in going]
+
+    def _fresh(self, rows: list[Request]) -> Canvas:
+        """A new canvas for these rows: noise from each row's generator, then the features' start."""
+        tokens = random_tokens((len(rows), self.canvas_length), self.model.cfg.text.vocab_size, self.model.device,
+                               [r.generator for r in rows])
+        for f in self.features:
+            f.start(rows, tokens)
+        return Canvas.start(rows, tokens)
 
     # ---- one denoising step -----------------------------------------------------------------------------
     def _denoise_step(self, events: list[Event]) -> None:
@@ -90,6 +126,7 @@ class Engine(Runner):
         if any(r.finished for r in b.rows) and not self.scheduler.prune():
             return  # aborted rows leave mid-canvas, so they stop costing compute
         cv, model = b.canvas, self.model
+        self._count(cv)
         hidden = model.denoise(cv.tokens, b.caches, cv.signal)
         inv_temp = 1.0 / cv.temperature()
         out, signal = fast_step(hidden, model.lm_head, inv_temp, cv.entropy_bound, [r.generator for r in b.rows],
@@ -101,5 +138,19 @@ class Engine(Runner):
         for f in self.features:
             f.settle(s)
         cv.mark_done([i for i, e in enumerate(s.ending()) if e and not cv.done[i]])  # out of steps
-        if cv.all_done(b.rows, finished_rows_count=False):
-            b.pending, b.canvas = cv.commit(b.rows, self.pad_id, events), None
+        self._commit(b, events)
+
+    def _commit(self, b: Batch, events: list[Event]) -> None:
+        """Commit the rows whose canvas is done (with row clocks), or every row once all are (batch-wide)."""
+        cv = b.canvas
+        if self.row_clocks:
+            ended = [i for i, (d, r) in enumerate(zip(cv.done, b.rows)) if d and not r.finished]
+            if ended:
+                b.pending = list(zip([b.rows[i] for i in ended], cv.commit(b.rows, self.pad_id, events, ended)))
+        elif cv.all_done(b.rows, finished_rows_count=False):
+            b.pending, b.canvas = list(zip(b.rows, cv.commit(b.rows, self.pad_id, events))), None
+
+    def _count(self, cv: Canvas) -> None:
+        self.stats.passes += 1
+        self.stats.rows += len(cv.done)
+        self.stats.done_rows += sum(cv.done)

@@ -58,7 +58,8 @@ class ReferenceRunner(Runner):
                                device=model.device)
         cv = Canvas.start(rows, tokens)
         while not cv.all_done(rows, finished_rows_count=True):
-            processed = model.head(model.denoise(cv.tokens, cache, cv.signal)) / cv.temperature()[:, None, None]
+            hidden = model.denoise(cv.tokens, cache, cv.signal)
+            processed = model.head(hidden) / cv.temperature(shared_step=True)[:, None, None]
             cv.advance(rows, reference_step(processed, rows[0].params.entropy_bound), model.soft_embed(processed))
             events: list[Event] = []
             cv.drafts(rows, events)

@@ -6,7 +6,7 @@ to the prefix cache. A row's cache is its own, so joins and leaves never copy an
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,7 +20,7 @@ from dgemma.model import DiffusionGemma
 class Batch:
     rows: list[Request]
     caches: list[KVCache]  # one per row
-    pending: torch.Tensor | None = None  # [B, C] committed canvas not yet encoded into the caches
+    pending: list[tuple[Request, torch.Tensor]] = field(default_factory=list)  # committed canvases [C] to encode
     canvas: Canvas | None = None
 
 
@@ -76,7 +76,6 @@ class Scheduler:
         if len(keep) < len(b.rows):
             index = torch.tensor(keep, device=self.model.device)
             b.rows, b.caches = [b.rows[i] for i in keep], [b.caches[i] for i in keep]
-            b.pending = None if b.pending is None else b.pending[index]
             if b.canvas is not None:
                 b.canvas.select(index, keep)
         return True
