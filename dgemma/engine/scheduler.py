@@ -1,0 +1,125 @@
+"""Which rows run (cf. nano-vllm's Scheduler; the engine runs the model): the waiting queue, admission up to
+`max_batch` rows, each joining row's own cache (a copy of the longest prefix the `PrefixCache` holds plus the rest
+of its prompt, or a prefill grouped by prompt length; with `chunk`, a prompt longer than that is encoded one chunk
+per engine step, so that it never stalls the running rows for longer), and pruning of finished rows, whose prompts
+and answers go to the prefix cache. A row's cache is its own, so joins and leaves never copy another row's."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dgemma.cache import KVCache, PrefixCache
+from dgemma.engine.batch import Canvas, prefill
+from dgemma.engine.request import Request
+from dgemma.model import DiffusionGemma
+
+
+@dataclass
+class Batch:
+    rows: list[Request]
+    caches: list[KVCache]  # one per row
+    pending: list[tuple[Request, torch.Tensor]] = field(default_factory=list)  # committed canvases [C] to encode
+    canvas: Canvas | None = None
+
+
+def prefill_groups(rows: list[Request], waste: float = 0.25) -> list[list[Request]]:
+    """Rows admitted together, grouped for batched prefill: by prompt length, so that left padding adds at
+    most `waste` of the group's real tokens."""
+    rows = sorted(rows, key=lambda r: len(r.prompt))
+    groups: list[list[Request]] = []
+    for r in rows:
+        g = groups[-1] if groups else None
+        if g and len(r.prompt) * (len(g) + 1) <= (1 + waste) * (sum(len(q.prompt) for q in g) + len(r.prompt)):
+            g.append(r)
+        else:
+            groups.append([r])
+    return groups
+
+
+class Scheduler:
+    def __init__(self, model: DiffusionGemma, pad_id: int, max_batch: int, prefix_cache: PrefixCache | None,
+                 chunk: int | None = None):
+        self.model, self.pad_id, self.max_batch, self.prefix_cache = model, pad_id, max_batch, prefix_cache
+        self.chunk = chunk
+        self.waiting: list[Request] = []
+        self.prefilling: list[tuple[Request, KVCache]] = []  # long prompts, encoded a chunk per step
+        self.batch: Batch | None = None
+
+    def admit(self) -> list[Request]:
+        """Move requests into the batch while there is room, each with its cache; returns them."""
+        room = self.max_batch - (0 if self.batch is None else len(self.batch.rows)) - len(self.prefilling)
+        rows, self.waiting = self.waiting[:room], self.waiting[room:]
+        caches = {r.id: self._from_prefix(r) for r in rows} if self.prefix_cache is not None else {}
+        fresh = [r for r in rows if caches.get(r.id) is None]
+        long = {r.id for r in fresh if self.chunk is not None and len(r.prompt) > self.chunk}
+        self.prefilling += [(r, self._start_prefill(r)) for r in fresh if r.id in long]
+        for group in prefill_groups([r for r in fresh if r.id not in long]):
+            cache, pads = prefill(self.model, group, self.pad_id, 2 * self.model.cfg.canvas_length, own_positions=True)
+            caches.update((r.id, cache.extract(i, pad, cache.length)) for i, (r, pad) in enumerate(zip(group, pads)))
+        joined = [r for r in rows if r.id not in long] + self._prefill_chunks(caches)
+        if self.prefix_cache is not None:
+            for r in joined:
+                self.prefix_cache.store(r.prompt, caches[r.id])
+        if joined and self.batch is None:
+            self.batch = Batch([], [])
+        if joined:
+            self.batch.rows += joined
+            self.batch.caches += [caches[r.id] for r in joined]
+        return joined
+
+    def _start_prefill(self, r: Request) -> KVCache:
+        r.stats.t_start = time.perf_counter()
+        return self.model.new_cache(1, len(r.prompt) + 2 * self.model.cfg.canvas_length)
+
+    def _prefill_chunks(self, caches: dict[str, KVCache]) -> list[Request]:
+        """One chunk of each long prompt being encoded (aborted ones dropped); returns the requests whose prompt
+        is now whole in their cache (put in `caches`)."""
+        done, going = [], []
+        for r, cache in self.prefilling:
+            if r.finished:
+                continue
+            part = r.prompt[cache.length:cache.length + self.chunk]
+            self.model.prefill(torch.tensor([part], device=self.model.device), cache, chunk=None)
+            if cache.length == len(r.prompt):
+                caches[r.id] = cache.extract(0, 0, cache.length)
+                done.append(r)
+            else:
+                going.append((r, cache))
+        self.prefilling = going
+        return done
+
+    def prune(self) -> bool:
+        """Drop finished rows from the batch (their caches go with them); False, and no batch, if none is left."""
+        b = self.batch
+        keep = [i for i, r in enumerate(b.rows) if not r.finished]
+        if self.prefix_cache is not None:
+            self._remember([(r, c) for r, c in zip(b.rows, b.caches) if r.finish_reason in ("stop", "length")])
+        if not keep:
+            self.batch = None
+            return False
+        if len(keep) < len(b.rows):
+            index = torch.tensor(keep, device=self.model.device)
+            b.rows, b.caches = [b.rows[i] for i in keep], [b.caches[i] for i in keep]
+            if b.canvas is not None:
+                b.canvas.select(index, keep)
+        return True
+
+    def _from_prefix(self, r: Request) -> KVCache | None:
+        cache, n = self.prefix_cache.lookup(r.prompt)
+        if cache is not None:
+            r.stats.t_start, r.stats.cached_tokens = time.perf_counter(), n
+            if n < len(r.prompt):
+                self.model.prefill(torch.tensor([r.prompt[n:]], device=self.model.device), cache)
+        return cache
+
+    def _remember(self, finished: list[tuple[Request, KVCache]]) -> None:
+        """Keep finished requests' prompts and answers for later turns: the answer's last canvas (never encoded
+        while decoding) is encoded first, up to the answer's end."""
+        for r, cache in finished:
+            tokens = r.prompt + r.output
+            if len(tokens) > cache.length:
+                self.model.encode(torch.tensor([tokens[cache.length:]], device=self.model.device), cache)
+            self.prefix_cache.store(tokens, cache)
