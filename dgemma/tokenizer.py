@@ -99,20 +99,29 @@ class Tokenizer:
 
 
 class IncrementalDecoder:
-    """Turns a growing list of ids into text deltas that never split a multi-byte character or repeat text."""
+    """Turns a growing list of ids into text deltas that never split a multi-byte character or repeat text. Each
+    push decodes a window (the ids of the previous delta as context, then the new ones), not the whole output, so
+    decoding n tokens costs O(n) however they arrive (one canvas or one token at a time)."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.text = ""
+        self.length = 0  # characters decoded so far
+        self._context = 0  # ids[_context:_read]: the window's context (decoded again for its length only)
+        self._read = 0  # ids whose text was given out
 
     def push(self, ids: list[int], final: bool = False) -> str:
         self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids)
-        if not final and text.endswith("\ufffd"):
+        decode = self.tokenizer.decode
+        window = decode(self.ids[self._context:])
+        if not final and window.endswith("\ufffd"):
             return ""  # an incomplete UTF-8 sequence: wait for the next tokens
-        delta = text[len(self.text):] if text.startswith(self.text) else ""
-        self.text = text if text.startswith(self.text) else self.text
+        before = decode(self.ids[self._context:self._read])
+        if not window.startswith(before):
+            return ""  # the new ids changed the context's text: wait until it settles
+        delta = window[len(before):]
+        self._context, self._read = self._read, len(self.ids)
+        self.length += len(delta)
         return delta
 
 

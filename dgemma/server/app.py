@@ -124,8 +124,7 @@ def _routes(api: APIRouter, service: Service) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Any:
         prompt = body.prompt  # a text or an id list is one prompt ([] too: refused as empty with the others)
         prompts = [prompt] if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else list(prompt)
-        generation = await service.generate(body, prompts, "prompt", "cmpl")
-        return await _respond(generation, body, request, chat=False)
+        return await _respond(service, body, prompts, "prompt", request, chat=False)
 
     @api.post("/v1/chat/completions", response_model=None,
               responses=_responses(ChatCompletionResponse, 400, 401, 404, 408, 413, 429, 503, stream=True))
@@ -135,8 +134,7 @@ def _routes(api: APIRouter, service: Service) -> None:
             messages = body.chat()
         except SamplingParamsError as e:
             raise errors.bad_request(str(e), e.param) from None
-        generation = await service.generate(body, [messages], "messages", "chatcmpl")
-        return await _respond(generation, body, request, chat=True)
+        return await _respond(service, body, [messages], "messages", request, chat=True)
 
     _metrics_route(api, service)
 
@@ -166,7 +164,16 @@ def _metrics_route(api: APIRouter, service: Service) -> None:
         return PlainTextResponse(service.metrics.render(gauges, counters), media_type="text/plain; version=0.0.4")
 
 
-async def _respond(gen: Generation, body: Any, request: Request, chat: bool) -> Response:
+async def _respond(service: Service, body: Any, prompts: list[Any], param: str, request: Request,
+                   chat: bool) -> Response:
+    """Prepare the request (given up as soon as the client disconnects), then answer it."""
+    gen = await _unless_disconnected(request, service.generate(body, prompts, param, "chatcmpl" if chat else "cmpl"))
+    if gen is None:
+        return Response(status_code=499)  # the client is gone; its lease went back with the cancelled work
+    return await _answer(gen, body, request, chat)
+
+
+async def _answer(gen: Generation, body: Any, request: Request, chat: bool) -> Response:
     ignored = {"X-Dgemma-Ignored-Fields": ", ".join(body.ignored_fields())} if body.ignored_fields() else {}
     if body.stream:
         return await _stream(gen, body, request, chat, ignored)

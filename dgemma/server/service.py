@@ -153,12 +153,36 @@ class Service:
                               "per request", "n")
         lease = self._admit(choices)
         try:
-            plans, prompt_tokens = await self._plan(body, prompts, param)
+            plans, prompt_tokens = await self._within(_earliest(body.dgemma_timeout, self.config.request_timeout),
+                                                      t_arrival, self._plan(body, prompts, param))
             return Generation(self, f"{id_prefix}-{uuid.uuid4().hex}", plans, prompt_tokens, body.dgemma_drafts,
                               lease, t_arrival, body.dgemma_timeout)
         except BaseException:
             lease.release()
             raise
+
+    @staticmethod
+    async def _within(timeout: float | None, t_arrival: float, work: Any) -> Any:
+        """Await the preparation `work` within the request's deadline (408 when it passes first)."""
+        if timeout is None:
+            return await work
+        try:
+            return await asyncio.wait_for(work, max(0.0, t_arrival + timeout - time.perf_counter()))
+        except TimeoutError:
+            raise ApiError(408, f"the request's deadline ({timeout:g} s) passed while its prompt was prepared",
+                           "dgemma_timeout", code="deadline_exceeded") from None
+
+    async def _off_loop(self, fn: Callable, *args: Any) -> Any:
+        """`fn(*args)` in a worker thread, at most --tokenizer-threads at once. A cancelled caller (client gone,
+        deadline passed) stops waiting at once; its thread keeps its place until it ends, so the cap holds."""
+        await self._tokenizing.acquire()
+        try:
+            future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        except BaseException:
+            self._tokenizing.release()
+            raise
+        future.add_done_callback(lambda _: self._tokenizing.release())
+        return await asyncio.shield(future)
 
     def _admit(self, choices: int) -> Lease:
         if self.in_use + choices > self.config.capacity:
@@ -178,9 +202,9 @@ class Service:
         limit = self.model.prompt_limit(self.config.limits)
         for prompt in prompts:
             try:
-                async with self._tokenizing:  # a bounded number of worker threads; the loop never tokenizes
-                    ids = await asyncio.to_thread(self.model.encode_prompt, prompt, limit, body.template_tools())
-                    params = await asyncio.to_thread(self._choice_params, body, ids)  # may compile a grammar
+                # the loop never tokenizes (nor compiles a grammar, nor builds a seeded layout)
+                ids = await self._off_loop(self.model.encode_prompt, prompt, limit, body.template_tools())
+                params = await self._off_loop(self._choice_params, body, ids)
                 plans += [Plan(ids, p) for p in params]
             except SamplingParamsError as e:  # max_new_tokens is named as the client named it
                 message = str(e).replace("max_new_tokens", tokens_param)
@@ -270,6 +294,7 @@ class Generation:
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         sink = Sink(asyncio.get_running_loop(), self.queue)
         self.choices: dict[str, _Choice] = {}
+        self._feeding = threading.Lock()  # one event at a time into the choices' OutputStreams
         self.timeout = _earliest(timeout, service.config.request_timeout)
         deadlines = [t_arrival + t if t is not None else None for t in (service.config.max_queue_seconds,
                                                                            self.timeout)]
@@ -300,7 +325,10 @@ class Generation:
             if event.kind == "start":
                 yield Output("start", choice.index)
                 continue
-            for out in self._on_event(choice, event):
+            # committed text and finishes are detokenized (and a stop's kept ids found) off the event loop
+            outs = self._on_event(choice, event) if event.kind == "draft" else \
+                await asyncio.to_thread(self._on_event, choice, event)
+            for out in outs:
                 open_choices -= out.kind in ("finish", "error")
                 yield out
 
@@ -323,17 +351,19 @@ class Generation:
         return [("".join(t), r, e, i) for t, r, e, i in zip(texts, reasons, entries, ids)]
 
     def close(self) -> None:
-        unfinished = [c for c in self.choices.values() if c.finish_reason is None]
-        for c in unfinished:
-            c.output.feed(Event(c.request_id, "finish", finish_reason="abort"))
-            self._record(c)
+        with self._feeding:  # a choice's event may still be in a worker thread
+            unfinished = [c for c in self.choices.values() if c.finish_reason is None]
+            for c in unfinished:
+                c.output.feed(Event(c.request_id, "finish", finish_reason="abort"))
+                self._record(c)
         if unfinished:
             self.service.worker.abort([c.request_id for c in unfinished])
         self.lease.release()
 
     # ---- events -> outputs ------------------------------------------------------------------------------------
     def _on_event(self, c: _Choice, event: Event) -> list[Output]:
-        return [out for item in c.output.feed(event) if (out := self._output(c, item)) is not None]
+        with self._feeding:
+            return [out for item in c.output.feed(event) if (out := self._output(c, item)) is not None]
 
     def _output(self, c: _Choice, item: StreamEvent) -> Output | None:
         if item.kind == "draft":
