@@ -198,3 +198,15 @@ def test_a_client_gone_during_preparation_frees_its_place(server, monkeypatch):
         assert wait_until(lambda: server.service.in_use == 0, 5) and not release.is_set()
     finally:
         release.set()
+
+
+def test_a_pipelined_request_is_not_cut_by_the_header_timeout(server, monkeypatch):
+    """Two requests sent back to back on one connection; the second runs past --header-timeout (0.6 s here)
+    after the first's answer, and still gets its answer."""
+    release, calls = _stuck_tokenizer(server, monkeypatch)
+    threading.Timer(2.0, release.set).start()  # 3x the header timeout
+    body = json.dumps({"prompt": "hello", "max_tokens": 1}).encode()
+    post = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    out = _raw(server, b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n" + post, wait=10)
+    assert out.count(b"HTTP/1.1 200") == 2 and b"request_timeout" not in out, out

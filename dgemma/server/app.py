@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.routing import APIRoute
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -62,13 +62,19 @@ def create_app(config: ServerConfig, loader: Callable[[], Model],
         finally:
             await asyncio.to_thread(service.close)
 
-    app = FastAPI(title="dgemma", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="dgemma", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)  # served below, behind the key like /v1/*
     app.state.service = service
     errors.install(app)
     security.install(app, config)
     keys = security.ApiKeys(config.api_keys)
-    api = APIRouter(dependencies=[Depends(keys.dependency())] if keys else [], route_class=OffLoopJson)
+    api = APIRouter(route_class=_guarded(keys))
     _routes(api, service)
+
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(_openapi(app))
+
     app.include_router(api)
     playground.install(app)
 
@@ -79,27 +85,36 @@ def create_app(config: ServerConfig, loader: Callable[[], Model],
             return error.response()
         return {"status": "ok"}
 
-    app.openapi = lambda: _openapi(app)
     return app
 
 
-class OffLoopJson(APIRoute):
-    """Parses large JSON bodies in a worker thread (FastAPI would parse them on the event loop, where a 4 MB body
-    costs tens of milliseconds of every other client's time); FastAPI then finds the parsed body cached."""
+class GuardedRoute(APIRoute):
+    """Checks the API key first (before the body is even read: `keys`, set on the subclass `_guarded` makes, and
+    it records which key in `request.state.key` for the prefix cache's partitions), then parses the JSON body
+    with a nesting cap (security.parse_json), in a worker thread when it is large (FastAPI would parse it on the
+    event loop, where a 4 MB body costs tens of milliseconds of every other client's time); FastAPI then finds
+    the parsed body cached."""
+
+    keys: security.ApiKeys
 
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()
 
         async def route(request: Request) -> Response:
-            body = await request.body()
-            if len(body) > LARGE_BODY:
-                try:
-                    request._json = await asyncio.to_thread(json.loads, body)
-                except ValueError:
-                    pass  # FastAPI parses it again and reports the error
+            request.state.key = self.keys.check(request) if self.keys else None
+            if request.method == "POST":
+                body = await request.body()
+                parsed = await asyncio.to_thread(security.parse_json, body) if len(body) > LARGE_BODY else \
+                    security.parse_json(body)
+                if parsed is not None:
+                    request._json = parsed  # else FastAPI parses it again and reports the error
             return await handler(request)
 
         return route
+
+
+def _guarded(keys: security.ApiKeys) -> type[GuardedRoute]:
+    return type("KeyedRoute", (GuardedRoute,), {"keys": keys})
 
 
 def _routes(api: APIRouter, service: Service) -> None:

@@ -192,9 +192,20 @@ class TextPart(_Strict):
 Content = Annotated[Text | list[TextPart], _one_of("must be a string or a list of text parts")]
 
 
+class CalledFunction(_Strict):
+    name: Text
+    arguments: Text | dict[str, Any] = Field("{}", description="the arguments as JSON text (or an object)")
+
+
+class ToolCall(_Strict):
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    tool_calls: list[dict[str, Any]] | None = Field(None, description="an assistant message's earlier calls")
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant message's earlier calls")
     content: Content | None = Field(None, validate_default=True, description="null only with tool_calls")
     name: Text | None = None
     tool_call_id: Text | None = Field(None, validate_default=True, description="a tool message: the call it answers")
@@ -277,7 +288,8 @@ class ChatCompletionRequest(OpenAIRequest):
     def chat(self) -> list[dict[str, str]]:
         """Messages for the chat template ("developer" is the newer name of "system"); with tools: ToolUse.messages."""
         plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-                  "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id} for m in self.messages]
+                  "tool_calls": [c.model_dump() for c in m.tool_calls or ()] or None, "tool_call_id": m.tool_call_id}
+                 for m in self.messages]
         return self.tool_use().messages(plain)
 
 
