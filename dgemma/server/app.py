@@ -182,7 +182,8 @@ def _metrics_route(api: APIRouter, service: Service) -> None:
 async def _respond(service: Service, body: Any, prompts: list[Any], param: str, request: Request,
                    chat: bool) -> Response:
     """Prepare the request (given up as soon as the client disconnects), then answer it."""
-    gen = await _unless_disconnected(request, service.generate(body, prompts, param, "chatcmpl" if chat else "cmpl"))
+    prefix = "chatcmpl" if chat else "cmpl"
+    gen = await _unless_disconnected(request, service.generate(body, prompts, param, prefix, request.state.key))
     if gen is None:
         return Response(status_code=499)  # the client is gone; its lease went back with the cancelled work
     return await _answer(gen, body, request, chat)

@@ -100,6 +100,9 @@ class OpenAIRequest(_Strict):
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="only 0 is supported")
     logit_bias: dict[str, float] | None = Field(None, description="only an empty map is supported")
     user: Text | None = None
+    cache_salt: Text | None = Field(None, max_length=256, description=(
+        "prefix-cache partition (as vLLM's): a request reuses only prompts cached with the same salt (and the same "
+        "API key)"))
     dgemma_timeout: float | None = Field(None, gt=0, description=(
         "dgemma extension: seconds from arrival after which the request is aborted (408, or an error chunk when "
         "streaming) and its batch row freed; capped by the server's --request-timeout"))

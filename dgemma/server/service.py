@@ -6,6 +6,7 @@ API does) and records its latencies."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -132,8 +133,10 @@ class Service:
                            "model", "model_not_found")
 
     # ---- requests -------------------------------------------------------------------------------------------
-    async def generate(self, body: OpenAIRequest, prompts: list[Any], param: str, id_prefix: str) -> Generation:
-        """Check `body` (cheap checks first), admit its choices or refuse at once, then encode and submit."""
+    async def generate(self, body: OpenAIRequest, prompts: list[Any], param: str, id_prefix: str,
+                       key: int | None = None) -> Generation:
+        """Check `body` (cheap checks first), admit its choices or refuse at once, then encode and submit. `key`:
+        which API key the client sent; it and `cache_salt` pick the request's prefix-cache partition."""
         t_arrival = time.perf_counter()
         if error := self.unavailable():
             raise error
@@ -154,7 +157,7 @@ class Service:
         lease = self._admit(choices)
         try:
             plans, prompt_tokens = await self._within(_earliest(body.dgemma_timeout, self.config.request_timeout),
-                                                      t_arrival, self._plan(body, prompts, param))
+                                                      t_arrival, self._plan(body, prompts, param, key))
             return Generation(self, f"{id_prefix}-{uuid.uuid4().hex}", plans, prompt_tokens, body.dgemma_drafts,
                               lease, t_arrival, body.dgemma_timeout)
         except BaseException:
@@ -193,7 +196,8 @@ class Service:
         self.in_use += choices
         return Lease(self, choices)
 
-    async def _plan(self, body: OpenAIRequest, prompts: list[Any], param: str) -> tuple[list[Plan], int]:
+    async def _plan(self, body: OpenAIRequest, prompts: list[Any], param: str,
+                    key: int | None) -> tuple[list[Plan], int]:
         """One Plan per choice; every check is SamplingParams' (through `Model.check_request`)."""
         plans, prompt_tokens = [], 0
         tokens_param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
@@ -204,7 +208,7 @@ class Service:
             try:
                 # the loop never tokenizes (nor compiles a grammar, nor builds a seeded layout)
                 ids = await self._off_loop(self.model.encode_prompt, prompt, limit, body.template_tools())
-                params = await self._off_loop(self._choice_params, body, ids)
+                params = await self._off_loop(self._choice_params, body, ids, _partition(key, body.cache_salt))
                 plans += [Plan(ids, p) for p in params]
             except SamplingParamsError as e:  # max_new_tokens is named as the client named it
                 message = str(e).replace("max_new_tokens", tokens_param)
@@ -214,7 +218,7 @@ class Service:
             prompt_tokens += len(ids)
         return plans, prompt_tokens
 
-    def _choice_params(self, body: OpenAIRequest, ids: list[int]) -> list[SamplingParams]:
+    def _choice_params(self, body: OpenAIRequest, ids: list[int], partition: str | None) -> list[SamplingParams]:
         """The n choices of a prompt: choice i has seed + i. The starting canvas and the renoising are random
         even when sampling is near-greedy, so temperature 0 without a seed uses seed 0 (reproducible)."""
         model = self.model
@@ -225,7 +229,7 @@ class Service:
         base = 0 if body.seed is None and greedy else body.seed
         first = model.params(max_new_tokens=new, seed=base, stop=_stops(body.stop), grammar=body.grammar(),
                              logprobs=body.logprob_count(), **schedule(body.temperature), **_overrides(body),
-                             **body.seeded())
+                             cache_salt=partition, **body.seeded())
         model.check_request(ids, first, self.config.limits, self.config.mode)
         if base is None:
             return [first] * body.n
@@ -246,6 +250,12 @@ def _overrides(body: OpenAIRequest) -> dict[str, Any]:
     `schedule` gives `temperature` (sampling is greedy there; 1 / T stays finite). Negative ones stay refused."""
     out, floor = body.dgemma_sampling.overrides() if body.dgemma_sampling is not None else {}, GREEDY_T / 2
     return out | {k: floor for k, v in out.items() if k in ("t_min", "t_max") and 0 <= v < floor}
+
+
+def _partition(key: int | None, salt: str | None) -> str | None:
+    """The prefix-cache partition of a request: its API key's position and its cache_salt (None: the shared one,
+    for a server without keys and a request without a salt)."""
+    return None if key is None and salt is None else json.dumps([key, salt])
 
 
 def _earliest(*timeouts: float | None) -> float | None:
