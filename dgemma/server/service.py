@@ -147,6 +147,8 @@ class Service:
             raise bad_request("stream_options needs stream=true", "stream_options")
         if body.dgemma_drafts and not body.stream:
             raise bad_request("dgemma_drafts needs stream=true", "dgemma_drafts")
+        if self.config.mode == "autoregressive" and (feature := _diffusion_only(body)) is not None:
+            raise unsupported(feature, f"{feature} in autoregressive mode (--mode autoregressive)")
         if body.temperature is not None and {"t_min", "t_max"} & _overrides(body).keys():
             raise bad_request("temperature and dgemma_sampling.t_min / t_max both set the schedule; send one",
                               "dgemma_sampling")
@@ -227,9 +229,11 @@ class Service:
         new = requested or min(model.defaults.max_new_tokens, room, self.config.max_tokens or room)
         greedy = body.temperature is not None and body.temperature < GREEDY_T
         base = 0 if body.seed is None and greedy else body.seed
+        sampling = schedule(body.temperature) if self.config.mode == "diffusion" else \
+            {"ar_temperature": body.temperature} if body.temperature is not None else {}
         first = model.params(max_new_tokens=new, seed=base, stop=_stops(body.stop), grammar=body.grammar(),
-                             logprobs=body.logprob_count(), **schedule(body.temperature), **_overrides(body),
-                             cache_salt=partition, **body.seeded())
+                             logprobs=body.logprob_count(), **sampling, **_overrides(body), cache_salt=partition,
+                             **body.seeded())
         model.check_request(ids, first, self.config.limits, self.config.mode)
         if base is None:
             return [first] * body.n
@@ -250,6 +254,16 @@ def _overrides(body: OpenAIRequest) -> dict[str, Any]:
     `schedule` gives `temperature` (sampling is greedy there; 1 / T stays finite). Negative ones stay refused."""
     out, floor = body.dgemma_sampling.overrides() if body.dgemma_sampling is not None else {}, GREEDY_T / 2
     return out | {k: floor for k, v in out.items() if k in ("t_min", "t_max") and 0 <= v < floor}
+
+
+def _diffusion_only(body: OpenAIRequest) -> str | None:
+    """The first field set that autoregressive decoding cannot honour: a nucleus cut (top_p < 1; neither mode has
+    one, but diffusion documents it as accepted), the denoising options, drafts."""
+    if body.top_p is not None and body.top_p < 1:
+        return "top_p"
+    if body.dgemma_sampling is not None and body.dgemma_sampling.overrides():
+        return "dgemma_sampling"
+    return "dgemma_drafts" if body.dgemma_drafts else None
 
 
 def _partition(key: int | None, salt: str | None) -> str | None:
