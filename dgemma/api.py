@@ -53,8 +53,9 @@ def load(path_or_repo: str | Path | None = None, dtype: str | torch.dtype = "aut
     architecture (default: the bundled demo model).
     `compile`: run the denoising pass (the per-step body) through torch.compile; off, nothing changes.
     `quantize`: "int8" | "int4" (see `dgemma.quant.spec` for group sizes and the embedding): weight-only
-    quantization while loading, tensor by tensor with plain file reads (not the memory map). A GGUF file keeps its quantized tensors
-    compact without it (see `dgemma.weights.gguf_quant`); with it, they are re-quantized to that scheme."""
+    quantization while loading, tensor by tensor with plain file reads (not the memory map). A GGUF file keeps
+    its quantized tensors compact without it (see `dgemma.weights.gguf_quant`); with it, they are re-quantized to
+    that scheme."""
     spec = parse_quantize(quantize)
     if path_or_repo is None:
         if not (DEMO_MODEL / "config.json").is_file():
