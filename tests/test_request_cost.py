@@ -39,7 +39,16 @@ def _char_cap(model):
 def test_a_template_whose_holes_pass_the_context_is_refused_unbuilt(tiny, spies):
     with pytest.raises(SamplingParamsError) as e:
         tiny.params(template="[[hole:4096]]" * 8000)
-    assert e.value.param == "template" and "context" in str(e.value) and spies == []
+    assert e.value.param == "template" and "holes total more than" in str(e.value) and spies == []
+
+
+def test_the_servers_cap_bounds_a_layout_before_tokenizing(tiny, spies):
+    """`layout_limit` (the server passes min(room in the context, --max-tokens)) is checked on the text first."""
+    with pytest.raises(SamplingParamsError) as e:
+        tiny.params(edit="word " * 400, renoise=0.5, layout_limit=64)
+    assert e.value.param == "edit" and spies == []
+    with pytest.raises(SamplingParamsError, match="at most 64 are allowed"):
+        tiny.params(edit="word " * 60, renoise=0.5, layout_limit=64)
 
 
 def test_a_template_text_too_long_for_the_context_is_refused_untokenized(tiny, spies):

@@ -44,7 +44,8 @@ class Layout:
                 raise SamplingParamsError(f"a hole has {part} tokens; it must have 1 to {MAX_HOLE}", param)
         size = sum(p if isinstance(p, int) else len(p) for p in parts)
         if limit is not None and size > limit:
-            raise SamplingParamsError(f"the {param} has {size} tokens; at most {limit} fit in the context", param)
+            raise SamplingParamsError(f"the {param} has {size} tokens; at most {limit} are allowed (the room left in "
+                                      "the context, or the server's cap)", param)
         tokens: list[int] = []
         holes: list[int] = []
         for k, part in enumerate(parts):
@@ -75,8 +76,8 @@ def parse_template(text: str, limit: int | None = None) -> list[str | int]:
         parts.append(_hole_length(m.group(1)))
         total += parts[-1]
         if limit is not None and total > limit:
-            raise SamplingParamsError(f"the template's holes total more than {limit} tokens, more than fit in the "
-                                      "context", "template")
+            raise SamplingParamsError(f"the template's holes total more than {limit} tokens, the most allowed (the "
+                                      "room left in the context, or the server's cap)", "template")
         at = m.end()
     if at < len(text):
         parts.append(text[at:])

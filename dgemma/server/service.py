@@ -233,7 +233,7 @@ class Service:
             {"ar_temperature": body.temperature} if body.temperature is not None else {}
         first = model.params(max_new_tokens=new, seed=base, stop=_stops(body.stop), grammar=body.grammar(),
                              logprobs=body.logprob_count(), **sampling, **_overrides(body), cache_salt=partition,
-                             **body.seeded())
+                             layout_limit=min(room, self.config.max_tokens or room), **body.seeded())
         model.check_request(ids, first, self.config.limits, self.config.mode)
         if base is None:
             return [first] * body.n
