@@ -210,3 +210,12 @@ def test_a_pipelined_request_is_not_cut_by_the_header_timeout(server, monkeypatc
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     out = _raw(server, b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n" + post, wait=10)
     assert out.count(b"HTTP/1.1 200") == 2 and b"request_timeout" not in out, out
+
+
+def test_output_text_and_stop_strings_are_decoded_off_the_event_loop(server, monkeypatch):
+    tok = server.service.model.tokenizer
+    decode, threads = tok.decode, set()
+    monkeypatch.setattr(tok, "decode", lambda ids, *a, **k: threads.add(threading.get_ident()) or decode(ids, *a, **k))
+    r = httpx.post(server.url + C, json={"prompt": "Hello", "max_tokens": 40, "stop": ["never", "e"], "seed": 3},
+                   timeout=60)
+    assert r.status_code == 200 and threads and server.thread.ident not in threads  # the loop runs in that thread
