@@ -8,8 +8,13 @@ Scenarios (each starts its own server subprocess, the tiny random checkpoint by 
              --header-timeout, and well-behaved requests' p95 latency stays within 1.5x of unloaded
   soak       normal, streaming, disconnecting, oversized and malformed clients for --soak-seconds: no 5xx, RSS
              growth under 5%, every slot free at the end, /metrics finish counts equal to the clients' tallies
+  cost       what one request's preparation costs (server started with --max-tokens 64, so prepared requests
+             end in a 400 after their preparation): the 8,000-hole template (target: refused in < 50 ms, RSS
+             growth < 20 MB), a 40k-word edit by fraction and by 2,000 spans (target: < 0.5 s), and /health
+             while 4 clients repeat those and deep-JSON bodies (target: p95 < 100 ms)
+  fuzz       --fuzz-seconds of random hostile bodies on every route, 2 clients: the count of 5xx (target: 0)
 
-    python benchmarks/abuse.py [--scenarios huge,slowloris,soak] [--phase-seconds 20] [--soak-seconds 600]
+    python benchmarks/abuse.py [--scenarios huge,slowloris,soak,cost,fuzz] [--phase-seconds 20] [--soak-seconds 600]
     python benchmarks/abuse.py --model DIR ...
 
 Last stdout line: JSON with one object per scenario and "ok" (all targets met).
@@ -41,11 +46,12 @@ HEADER_TIMEOUT = 5.0
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="checkpoint to serve (default: a tiny random checkpoint built in a temp dir)")
-    p.add_argument("--scenarios", default="huge,slowloris,soak")
+    p.add_argument("--scenarios", default="huge,slowloris,soak,cost,fuzz")
     p.add_argument("--phase-seconds", type=float, default=40.0, help="seconds measured quiet, and again loaded (default 40)")
     p.add_argument("--rounds", type=int, default=4, help="quiet / flooded phase pairs of huge (default 4)")
     p.add_argument("--slowloris-seconds", type=float, default=60.0, help="slowloris duration (default 60)")
     p.add_argument("--soak-seconds", type=float, default=600.0, help="soak duration (default 600)")
+    p.add_argument("--fuzz-seconds", type=float, default=600.0, help="fuzz duration (default 600)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server (default 1)")
     args = p.parse_args(argv)
     report = {}
@@ -53,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or _tiny(Path(tmp))
         for name in args.scenarios.split(","):
             server, url = _start(model, "cpu", args.threads, 8, ["--header-timeout", str(HEADER_TIMEOUT),
-                                                                 "--max-queue", "64"])
+                                                                 "--max-queue", "64", *EXTRA.get(name, [])])
             try:
                 report[name] = SCENARIOS[name](url, args, server.pid)
             finally:
@@ -242,9 +248,9 @@ def _request_latency_once(url: str) -> None:
     httpx.post(url + C, json={"prompt": "warm up", "max_tokens": 8}, timeout=60)
 
 
-def _rss(pid: int) -> float:
+def _rss(pid: int, field: str = "VmRSS:") -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field):
             return float(line.split()[1]) * 1024
     return 0.0
 
@@ -258,7 +264,88 @@ def _metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
-SCENARIOS = {"huge": huge, "slowloris": slowloris, "soak": soak}
+# ---- what one request's preparation costs, and a fuzz -------------------------------------------------------------
+TEMPLATE = {"prompt": "x", "dgemma_template": "[[hole:4096]]" * 8000}  # 104 KB; 32.8M positions if it were built
+WORDS = " ".join(["alpha", "beta", "gamma", "delta", "édition", "über", "42", "fox."][i % 8] for i in range(40_000))
+EDITS = {"fraction": {"prompt": "x", "dgemma_edit": WORDS, "dgemma_renoise": 0.3},
+         "spans": {"prompt": "x", "dgemma_edit": WORDS, "dgemma_renoise": [[i * 100, i * 100 + 20] for i in range(2000)]}}
+DEEP = '{"prompt": ' + "[" * 70_000 + "]" * 70_000 + "}"
+
+
+def cost(url: str, args, pid: int) -> dict:
+    with httpx.Client(timeout=120) as client:
+        client.post(url + C, json={"prompt": "warm up", "max_tokens": 8})
+        template = _timed_peak(pid, lambda: client.post(url + C, json=TEMPLATE))
+        edits = {k: _timed(lambda b=b: client.post(url + C, json=b)) for k, b in EDITS.items()}
+    loaded = _measure(args.phase_seconds, {"health": lambda s: _health_latency(url, s)}, [
+        lambda s, b=b: _repeat(url, b, s) for b in (TEMPLATE, EDITS["fraction"], EDITS["spans"], DEEP)])
+    health = _stats(loaded["health"])
+    ok = template["seconds"] < 0.05 and template["rss_growth_mb"] < 20 and template["status"] == 400 and \
+        all(e["seconds"] < 0.5 for e in edits.values()) and health["p95"] < 0.1
+    return {"template_8000_holes": template, "edit_40k_words": edits, "health_under_abuse": health, "ok": ok}
+
+
+def _timed(send) -> dict:
+    """Median of 3 sends: seconds and the status."""
+    runs = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        status = send().status_code
+        runs.append((time.perf_counter() - t0, status))
+    seconds, status = sorted(runs)[1]
+    return {"seconds": round(seconds, 4), "status": status}
+
+
+def _timed_peak(pid: int, send) -> dict:
+    """`_timed`, and the server's peak RSS growth over it (the kernel's high-water mark, reset first)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    rss0 = _rss(pid)
+    out = _timed(send)
+    return out | {"rss_growth_mb": round((_rss(pid, "VmHWM:") - rss0) / 2**20, 2)}
+
+
+def _repeat(url: str, body, stop: threading.Event) -> None:
+    data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+    with httpx.Client(timeout=120) as client:
+        while not stop.is_set():
+            client.post(url + C, content=data, headers={"content-type": "application/json"})
+
+
+def fuzz(url: str, args, pid: int) -> dict:
+    tally: Counter = Counter()
+    _measure(args.fuzz_seconds, {}, [lambda s, i=i: _fuzz_client(url, s, tally, i) for i in range(2)])
+    fivexx = sum(n for status, n in tally.items() if status >= 500)
+    return {"statuses": {str(k): v for k, v in sorted(tally.items())}, "requests": sum(tally.values()),
+            "5xx": fivexx, "ok": fivexx == 0}
+
+
+HOSTILE = [None, True, -1, 2**70, 1e308, "", "a" * 5000, "9" * 6000, "[[hole:" + "9" * 5000 + "]]", "<start_of_turn>",
+           [], {}, [[]], [{"x": None}], json.loads("[" * 60 + "]" * 60), {"type": "function", "function": "f"}]
+FIELDS = ["prompt", "messages", "max_tokens", "n", "stop", "temperature", "top_p", "seed", "stream", "logprobs",
+          "tools", "tool_choice", "response_format", "suffix", "dgemma_template", "dgemma_edit", "dgemma_renoise",
+          "dgemma_sampling", "dgemma_timeout", "cache_salt", "stream_options", "logit_bias", "model"]
+ROUTES = [("POST", C, {"prompt": "hi", "max_tokens": 2}),
+          ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+          ("GET", "/v1/models", None), ("GET", "/v1/models/x%2F..", None), ("GET", "/metrics", None),
+          ("GET", "/health", None), ("GET", "/openapi.json", None), ("GET", "/playground/../../etc/passwd", None)]
+
+
+def _fuzz_client(url: str, stop: threading.Event, tally: Counter, seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    with httpx.Client(timeout=120) as client:
+        while not stop.is_set():
+            method, path, base = rng.choice(ROUTES)
+            body = None if base is None else base | {rng.choice(FIELDS): rng.choice(HOSTILE)
+                                                     for _ in range(rng.randint(1, 3))}
+            r = client.request(method, url + path, content=None if body is None else json.dumps(body),
+                               headers={"content-type": "application/json"})
+            tally[r.status_code] += 1
+
+
+SCENARIOS = {"huge": huge, "slowloris": slowloris, "soak": soak, "cost": cost, "fuzz": fuzz}
+EXTRA = {"cost": ["--max-tokens", "64"]}
 
 if __name__ == "__main__":
     sys.exit(main())

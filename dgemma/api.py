@@ -23,7 +23,7 @@ from dgemma.quant import summary as quant_summary
 from dgemma.sampling import Limits, SamplingParams, SamplingParamsError
 from dgemma.sampling.constraints import GrammarVocab, shared_vocab
 from dgemma.sampling.fused import vocab_chunk
-from dgemma.sampling.seeded import Layout, edit_parts, parse_template
+from dgemma.sampling.seeded import Layout, edit_parts, parse_template, renoised_positions
 from dgemma.tokenizer import Tokenizer
 from dgemma.weights import is_gguf, load_gguf_model, load_model, resolve_checkpoint
 
@@ -53,8 +53,9 @@ def load(path_or_repo: str | Path | None = None, dtype: str | torch.dtype = "aut
     architecture (default: the bundled demo model).
     `compile`: run the denoising pass (the per-step body) through torch.compile; off, nothing changes.
     `quantize`: "int8" | "int4" (see `dgemma.quant.spec` for group sizes and the embedding): weight-only
-    quantization while loading, tensor by tensor from the memory map. A GGUF file keeps its quantized tensors
-    compact without it (see `dgemma.weights.gguf_load`); with it, they are re-quantized to that scheme."""
+    quantization while loading, tensor by tensor with plain file reads (not the memory map). A GGUF file keeps
+    its quantized tensors compact without it (see `dgemma.weights.gguf_load`); with it, they are re-quantized to
+    that scheme."""
     spec = parse_quantize(quantize)
     if path_or_repo is None:
         if not (DEMO_MODEL / "config.json").is_file():
@@ -190,10 +191,12 @@ class Model:
         between the prompt and this suffix, at most max_new_tokens), `template` (text with [[hole]] /
         [[hole:N]] holes; the output is the filled template), `edit` (a draft, text or ids) with `renoise`
         (a fraction of its tokens chosen by the seed, or (start, end) spans: characters of a text draft, indices
-        of an id draft)."""
+        of an id draft). `layout_limit`: the most tokens a template or edit may have (default: the context); a
+        longer one is refused before it is tokenized or built."""
         seeded = {k: options.pop(k) for k in ("suffix", "template", "edit", "renoise") if k in options}
+        limit = min(self.max_context, options.pop("layout_limit", None) or self.max_context)
         if any(v is not None for v in seeded.values()):
-            options["seeded"] = self._layout(options, **seeded)
+            options["seeded"] = self._layout(options, limit, **seeded)
         return self.defaults.replace(**options)
 
     def cache_bytes(self, tokens: int) -> int:
@@ -201,7 +204,7 @@ class Model:
         m = self.module
         return KVCache.bytes_for(m.cfg.text, tokens + m.cfg.canvas_length, m.dtype, m.cfg.canvas_length)
 
-    def _layout(self, options: dict[str, Any], suffix: str | None = None, template: str | None = None,
+    def _layout(self, options: dict[str, Any], limit: int, suffix: str | None = None, template: str | None = None,
                 edit: str | list[int] | None = None, renoise: float | list[tuple[int, int]] | None = None) -> Layout:
         given = [k for k, v in (("suffix", suffix), ("template", template), ("edit", edit)) if v is not None]
         if len(given) != 1 or (renoise is None) != (edit is None):
@@ -210,18 +213,20 @@ class Model:
             hole = options.get("max_new_tokens") or self.defaults.max_new_tokens
             return Layout.from_parts([hole, self._text_ids(suffix, "suffix")], echo=False, param="suffix")
         if template is not None:
-            parts = parse_template(template)
-            return Layout.from_parts([p if isinstance(p, int) else self._text_ids(p, "template") for p in parts])
+            self._check_text_fits(template, "template", limit)
+            parts = parse_template(template, limit)
+            return Layout.from_parts([p if isinstance(p, int) else self._text_ids(p, "template") for p in parts],
+                                     limit=limit)
         ids, offsets = (edit, [(i, i + 1) for i in range(len(edit))]) if isinstance(edit, list) else \
-            self._text_offsets(edit)
+            self._text_offsets(edit, limit)
         if isinstance(renoise, (int, float)):
             if not 0 < renoise <= 1:
                 raise SamplingParamsError(f"renoise={renoise} must be a fraction in (0, 1]", "renoise")
             rng = random.Random(options.get("seed") or 0)
             chosen = set(rng.sample(range(len(ids)), max(1, round(renoise * len(ids)))))
         else:
-            chosen = {i for i, (a, b) in enumerate(offsets) for s, e in renoise if a < e and s < b}
-        return Layout.from_parts(edit_parts(self.check_ids(list(ids)), chosen), param="edit")
+            chosen = renoised_positions(offsets, renoise)
+        return Layout.from_parts(edit_parts(self.check_ids(list(ids)), chosen), param="edit", limit=limit)
 
     def token_bytes(self, token_id: int) -> bytes:
         """A token's raw bytes (a piece of a multi-byte character stays a piece)."""
@@ -230,11 +235,21 @@ class Model:
     def _text_ids(self, text: str, param: str) -> list[int]:
         if not isinstance(text, str) or not text:
             raise SamplingParamsError(f"{param} must be a non-empty string", param)
+        self._check_text_fits(text, param)
         return self._require_tokenizer().encode(text, add_bos=False)
 
-    def _text_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        enc = self._require_tokenizer().tok.encode(text, add_special_tokens=False)
+    def _text_offsets(self, text: str, limit: int) -> tuple[list[int], list[tuple[int, int]]]:
+        self._check_text_fits(text, "edit", limit)
+        enc = self._require_tokenizer().tok.encode_batch([text], add_special_tokens=False)[0]  # GIL released
         return enc.ids, enc.offsets
+
+    def _check_text_fits(self, text: str, param: str, limit: int | None = None) -> None:
+        """A seeded canvas's text (suffix, template, draft) that cannot fit in `limit` tokens (default: the
+        context): refused untokenized."""
+        try:
+            self._check_length(text, limit or self.max_context)
+        except SamplingParamsError as e:
+            raise SamplingParamsError(str(e).replace("the prompt", f"the {param}"), param) from None
 
     def check_request(self, ids: list[int], params: SamplingParams, limits: Limits = Limits(),
                       mode: str = "diffusion", sampling: str = "fast") -> None:

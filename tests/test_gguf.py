@@ -262,3 +262,59 @@ def test_bad_files_one_line(checkpoint, tmp_path, case, message):
                               capture_output=True, text=True, cwd=ROOT)
         assert proc.returncode != 0 and "Traceback" not in proc.stderr
         assert proc.stderr.strip().splitlines()[-1].startswith("error:") and message in proc.stderr
+
+
+# ---- a file written by llama.cpp's own converter ---------------------------------------------------------------
+CONVERTED = Path(__file__).parent / "fixtures" / "llama_cpp"
+
+
+def _hf_state_from_gguf(path: Path) -> dict[str, torch.Tensor]:
+    """The file's tensors under their Hugging Face names: the converter's name map inverted, values as stored
+    (dequantised by `gguf`), nothing else done to them; `rope_freqs` (derived from the config) left out."""
+    from gguf_writer import GLOBAL_MAP, LAYER_MAP
+
+    by_gguf = {v: k for k, v in LAYER_MAP.items()}
+    out = {}
+    for t in GGUFReader(path).tensors:
+        value = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        block, _, rest = t.name.partition(".")[2].partition(".") if t.name.startswith("blk.") else ("", "", t.name)
+        if t.name == "rope_freqs.weight":
+            continue
+        if rest == "enc_layer_output_scale.weight":
+            out[f"model.encoder.language_model.layers.{block}.layer_scalar"] = value
+        elif block:
+            out[f"model.decoder.layers.{block}.{by_gguf[rest]}"] = value
+        else:
+            out["model.decoder." + {v: k for k, v in GLOBAL_MAP.items()}[t.name]] = value
+    return out
+
+
+@torch.no_grad()
+def test_a_file_written_by_llama_cpps_converter():
+    """tests/fixtures/llama_cpp (README there): dgemma loads what llama.cpp's convert_hf_to_gguf.py writes (its
+    key set, its scalar or per-layer head counts, its Gemma 4 vocabulary), and its logits equal transformers' on
+    the same tensors read back under their Hugging Face names."""
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    from reference import reference_logits
+
+    path = CONVERTED / "diffusion-gemma-f16.gguf"
+    ref = DiffusionGemmaForBlockDiffusion(DiffusionGemmaConfig.from_json_file(CONVERTED / "config.json")).float()
+    state = _hf_state_from_gguf(path)
+    missing, unexpected = ref.load_state_dict(state, strict=False)
+    tied = {k for k in missing if k.replace("encoder.language_model.", "decoder.") in state}  # the shared backbone
+    assert not unexpected and all("vision" in k or k == "lm_head.weight" for k in set(missing) - tied)
+    ref.tie_weights()
+    assert all(torch.equal(ref.get_parameter(k), state[k.replace("encoder.language_model.", "decoder.")])
+               for k in tied)
+    model = dgemma.load(path, dtype="float32")
+    g = torch.Generator().manual_seed(0)
+    prompt, canvas = torch.randint(0, 384, (1, 12), generator=g), torch.randint(0, 384, (1, 8), generator=g)
+    want = reference_logits(ref.eval(), prompt, [canvas])[1]
+    cache = model.module.new_cache(1, 64)
+    model.module.encode(prompt, cache)
+    got = model.module.head(model.module.denoise(canvas, cache))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    tok = model.tokenizer
+    assert tok.decode(tok.encode("Hello é world!", add_bos=False)) == "Hello é world!"
+    assert model.defaults.max_denoising_steps == 12 and model.module.cfg.canvas_length == 8

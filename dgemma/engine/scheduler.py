@@ -62,7 +62,7 @@ class Scheduler:
         joined = [r for r in rows if r.id not in long] + self._prefill_chunks(caches)
         if self.prefix_cache is not None:
             for r in joined:
-                self.prefix_cache.store(r.prompt, caches[r.id])
+                self.prefix_cache.store(r.prompt, caches[r.id], r.params.cache_salt)
         if joined and self.batch is None:
             self.batch = Batch([], [])
         if joined:
@@ -108,7 +108,7 @@ class Scheduler:
         return True
 
     def _from_prefix(self, r: Request) -> KVCache | None:
-        cache, n = self.prefix_cache.lookup(r.prompt)
+        cache, n = self.prefix_cache.lookup(r.prompt, r.params.cache_salt)
         if cache is not None:
             r.stats.t_start, r.stats.cached_tokens = time.perf_counter(), n
             if n < len(r.prompt):
@@ -122,4 +122,4 @@ class Scheduler:
             tokens = r.prompt + r.output
             if len(tokens) > cache.length:
                 self.model.encode(torch.tensor([tokens[cache.length:]], device=self.model.device), cache)
-            self.prefix_cache.store(tokens, cache)
+            self.prefix_cache.store(tokens, cache, r.params.cache_salt)
