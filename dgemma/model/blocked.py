@@ -20,6 +20,7 @@ class CausalMask(NamedTuple):
     q: Tensor
     window: int | None = None
     valid: Tensor | None = None
+    groups: Tensor | None = None  # [B, n] the image run of each query (-1: text): a run's tokens see each other
 
     def block(self, rows: slice, keys: slice) -> Tensor:
         """[B or 1, 1, rows, keys] booleans."""
@@ -27,11 +28,22 @@ class CausalMask(NamedTuple):
         mask = kv <= q
         if self.window is not None:
             mask &= kv > q - self.window
-        if self.valid is None:
-            return mask[None, None]
-        mask = mask[None] & self.valid[:, keys][:, None]
-        mask |= (kv == q)[None]
+        mask = mask[None]
+        if self.valid is not None:
+            mask = mask & self.valid[:, keys][:, None]
+            mask |= (kv == q)[None]
+        if self.groups is not None:  # added after the window, as the reference's or-mask is
+            mask = mask | self._same_image(rows, keys)
         return mask[:, None]
+
+    def _same_image(self, rows: slice, keys: slice) -> Tensor:
+        """[B, rows, keys] whether query and key are soft tokens of one image run (keys among the new tokens)."""
+        n = self.groups.shape[1]
+        offset = self.kv[keys] - self.q[0]  # a key's index among the new tokens (the queries)
+        new = (offset >= 0) & (offset < n)
+        key_groups = torch.where(new[None], self.groups[:, offset.clamp(0, n - 1)], -2)
+        query_groups = self.groups[:, rows]
+        return (query_groups[:, :, None] == key_groups[:, None, :]) & (query_groups[:, :, None] >= 0)
 
 
 Mask = Tensor | CausalMask
