@@ -172,21 +172,24 @@ def preprocess(image, patch: int, pooling: int, max_soft_tokens: int = 280) -> P
                    rows * cols // pooling**2)
 
 
-def has_images(prompt: Any) -> bool:
-    """Whether chat messages carry image parts."""
-    return isinstance(prompt, list) and any(
-        isinstance(m, dict) and isinstance(m.get("content"), list)
-        and any(isinstance(p, dict) and p.get("type") in ("image", "image_url") for p in m["content"])
-        for m in prompt)
+def has_parts(prompt: Any) -> bool:
+    """Whether a prompt is chat messages of which one has a list of content parts (text and images)."""
+    return isinstance(prompt, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list)
+                                            for m in prompt)
+
+
+def _count(messages: list[dict[str, Any]]) -> int:
+    return sum(1 for m in messages if isinstance(m.get("content"), list) for p in m["content"]
+               if isinstance(p, dict) and p.get("type") in ("image", "image_url"))
 
 
 def prompt_ids(model, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                limits: ImageLimits) -> list[int]:
-    """The ids of chat messages with image parts (`model`: a `dgemma.api.Model`): the template's text with each
+    """The ids of chat messages with content parts (`model`: a `dgemma.api.Model`): the template's text with each
     image as boi + its soft-token ids + eoi. Every input check runs before the vision tower does."""
     module, tokenizer = model.module, model._require_tokenizer()
     cfg = module.cfg
-    if module.vision is None:
+    if _count(messages) and module.vision is None:
         raise SamplingParamsError("this checkpoint has no vision tower: it takes text prompts only", "messages")
     wraps = [t for t in (cfg.boi_token_id, cfg.eoi_token_id) if t is not None]
     if any(not 0 <= t < cfg.text.vocab_size for t in wraps):
@@ -210,8 +213,7 @@ def prompt_ids(model, messages: list[dict[str, Any]], tools: list[dict[str, Any]
 def split_messages(messages: list[dict[str, Any]], limits: ImageLimits) -> tuple[list[dict[str, Any]], list]:
     """Messages whose list contents become strings (an image part becomes MARKER), and the images in order,
     decoded after their number is checked."""
-    count = sum(1 for m in messages if isinstance(m.get("content"), list) for p in m["content"]
-                if isinstance(p, dict) and p.get("type") in ("image", "image_url"))
+    count = _count(messages)
     if count > limits.max_images:
         raise SamplingParamsError(f"{count} images; at most {limits.max_images} per request", "messages")
     out, images = [], []
