@@ -19,25 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from dgemma.image_limits import ImageLimits
 from dgemma.sampling import SamplingParamsError
 
-SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)  # the reference processor's allowed max_soft_tokens
 MARKER = "\ue000dgemma-image\ue000"  # stands for an image in the rendered chat template (private-use characters)
-
-
-@dataclass(frozen=True)
-class ImageLimits:
-    """What one request may send: encoded bytes and decoded pixels per image, images per request."""
-
-    max_bytes: int = 20 << 20
-    max_pixels: int = 50_000_000
-    max_images: int = 8
-    max_soft_tokens: int = 280
-    fetch_urls: bool = False  # http(s) URLs: refused unless the deployment allows fetching them
-
-    def __post_init__(self) -> None:
-        if self.max_soft_tokens not in SOFT_TOKEN_BUDGETS:
-            raise SamplingParamsError(f"max_soft_tokens={self.max_soft_tokens} must be one of {SOFT_TOKEN_BUDGETS}")
 
 
 @dataclass(frozen=True)
@@ -151,7 +136,7 @@ def target_size(height: int, width: int, patch: int, pooling: int, max_soft_toke
     return h, w
 
 
-def preprocess(image, patch: int, pooling: int, max_soft_tokens: int = 280) -> Patches:
+def preprocess(image, patch: int, pooling: int, max_soft_tokens: int = ImageLimits.max_soft_tokens) -> Patches:
     """What the reference's Gemma 4 image processor (Pillow backend) makes of one image: RGB (transparency on
     white), bicubic resize to `target_size`, pixels / 255, patches in row-major order."""
     Image = _pil()
@@ -191,11 +176,11 @@ def prompt_ids(model, messages: list[dict[str, Any]], tools: list[dict[str, Any]
     cfg = module.cfg
     if _count(messages) and module.vision is None:
         raise SamplingParamsError("this checkpoint has no vision tower: it takes text prompts only", "messages")
+    plain, images = split_messages(messages, limits)
     wraps = [t for t in (cfg.boi_token_id, cfg.eoi_token_id) if t is not None]
     if any(not 0 <= t < cfg.text.vocab_size for t in wraps):
         raise SamplingParamsError(f"this checkpoint's boi/eoi token ids {wraps} lie outside its vocabulary",
                                   "messages")
-    plain, images = split_messages(messages, limits)
     v = cfg.vision
     patches = [preprocess(image, v.patch_size, v.pooling_kernel_size, limits.max_soft_tokens) for image in images]
     pieces = [tokenizer.encode(p, add_bos=False) for p in tokenizer.apply_chat_template(plain, tools=tools)

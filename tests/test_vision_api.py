@@ -10,7 +10,8 @@ import dgemma
 from dgemma.api import DEMO_MODEL
 from dgemma.cache import PrefixCache
 from dgemma.engine import Engine
-from dgemma.images import ImageLimits, preprocess
+from dgemma.image_limits import ImageLimits
+from dgemma.images import preprocess
 from dgemma.sampling import SamplingParams, SamplingParamsError
 
 Image = pytest.importorskip("PIL.Image")

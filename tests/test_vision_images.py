@@ -7,7 +7,8 @@ import io
 import pytest
 import torch
 
-from dgemma.images import ImageLimits, open_image, preprocess
+from dgemma.image_limits import ImageLimits
+from dgemma.images import open_image, preprocess
 from dgemma.sampling import SamplingParamsError
 
 Image = pytest.importorskip("PIL.Image")
