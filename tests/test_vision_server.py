@@ -82,3 +82,55 @@ def test_cli_generate_with_image(tmp_path):
     assert json.loads(r.stdout.strip().splitlines()[-1])["prompt_tokens"] > 70
     bad = subprocess.run(cmd[:5] + [str(tmp_path / "missing.png")] + cmd[6:], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "cannot read image" in bad.stderr
+
+
+def test_playground_ships_the_attach_control():
+    import httpx
+
+    from server_fixtures import start_server
+
+    server = start_server(DEMO_MODEL)
+    try:
+        page = httpx.get(server.url + "/").text
+        assert 'id="image" type="file" accept="image/*"' in page
+        script = httpx.get(server.url + "/playground/images.js")
+        assert script.status_code == 200 and "image_url" in script.text and "https://" not in script.text
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_playground_attaches_an_image(tmp_path):
+    """In a browser: attach a PNG, send; the turn shows the thumbnail and the answer is the API's for the same
+    image, text and seed; the image stays in the history for the next turn."""
+    import httpx
+
+    from browser import chromium, why_no_browser
+    from server_fixtures import start_server
+
+    if why_no_browser() is not None:
+        pytest.skip(f"playground browser tests: {why_no_browser()}")
+    path = tmp_path / "a.png"
+    path.write_bytes(png())
+    server = start_server(DEMO_MODEL)
+    try:
+        with chromium() as browser:
+            page = browser.new_page()
+            page.goto(server.url + "/")
+            page.wait_for_selector("body[data-state=idle]", timeout=30_000)
+            page.fill("#seed", "5")
+            page.fill("#max-tokens", "8")
+            page.set_input_files("#image", str(path))
+            page.wait_for_function("document.getElementById('image-name').textContent === 'a.png'")
+            page.fill("#prompt", "Describe it.")
+            page.click("#send")
+            page.wait_for_selector("body[data-state=done]", timeout=30_000)
+            assert page.locator("#history img.attached").count() == 1
+            answer = page.text_content("#history li.assistant .text")
+            messages = user(image(url(png())), {"type": "text", "text": "Describe it."})
+            r = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "seed": 5,
+                                                                     "max_tokens": 8}, timeout=60)
+            assert answer == r.json()["choices"][0]["message"]["content"]
+            assert page.text_content("#image-name") == ""  # detached once answered
+    finally:
+        server.stop()
