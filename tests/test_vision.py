@@ -102,8 +102,8 @@ def reference(model, pics, ids, canvas):
     return encoder_logits, out.logits
 
 
-def ours(model, pics, ids, canvas, chunk=None):
-    """The same through dgemma: each image's soft-token ids in place of its placeholders."""
+def spliced(model, pics, ids):
+    """The prompt ids with each image's soft-token ids (dgemma's) in place of its placeholders."""
     queue = [model.image_ids(hashlib.sha256(p.numpy().tobytes() + q.numpy().tobytes()).hexdigest(), p, q)
              for p, q in pics]
     full, i = [], 0
@@ -115,6 +115,12 @@ def ours(model, pics, ids, canvas, chunk=None):
         else:
             full.append(ids[i])
             i += 1
+    return full
+
+
+def ours(model, pics, ids, canvas, chunk=None):
+    """The same through dgemma."""
+    full = spliced(model, pics, ids)
     cache = model.new_cache(1, 4)
     prompt = torch.tensor([full])
     if chunk is None:
@@ -199,3 +205,27 @@ def test_real_vision_shapes_reduced_depth(tmp_path):
     pics, ids, canvas = _case(REAL_VISION, [(6, 9), (3, 3)])
     for e, g in zip(reference(ref, pics, ids, canvas), ours(model, pics, ids, canvas)):
         assert (e - g).abs().max() <= 1e-4
+
+
+@torch.no_grad()
+def test_batched_left_padded_image_prompts(pair):
+    """Two image prompts of different lengths in one left-padded prefill (each row at its own positions, its cache
+    then taken out, as the engine batches them): each row's first-step logits are the ones it gets alone."""
+    _, model = pair
+    pics, ids, canvas = _case(VISION, [(4, 6)])
+    long_pics, long_ids, _ = _case(VISION, [(4, 6), (6, 4)])
+    rows = [spliced(model, pics, ids), spliced(model, long_pics, long_ids)]
+    alone = []
+    for r in rows:
+        cache = model.new_cache(1, 4)
+        model.prefill(torch.tensor([r]), cache)
+        alone.append(model.head(model.denoise(canvas, cache)))
+    n = max(len(r) for r in rows)
+    pads = torch.tensor([n - len(r) for r in rows])
+    prompt = torch.tensor([[0] * (n - len(r)) + r for r in rows])
+    slots = torch.arange(n)[None]
+    cache = model.new_cache(2, 4)
+    model.prefill(prompt, cache, valid=slots >= pads[:, None], positions=(slots - pads[:, None]).clamp(min=0))
+    for i in range(2):  # each row's cache taken out, as the engine does
+        row = cache.extract(i, int(pads[i]), cache.length)
+        assert (model.head(model.denoise(canvas, row)) - alone[i]).abs().max() <= 1e-4
