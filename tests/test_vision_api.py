@@ -133,3 +133,28 @@ def test_bad_input_is_refused_before_the_tower_runs(demo, tmp_path, monkeypatch)
     with pytest.raises(SamplingParamsError, match="no vision tower"):
         _text_only(tmp_path).generate(chat(picture(10, 10)), max_new_tokens=2)
     assert not ran
+
+
+def test_prompt_limits_count_soft_tokens_not_data_url_characters(demo):
+    """A data URL's characters are not prompt text (a 200 x 200 PNG is ~160,000 characters of base64, far past
+    the character pre-check of a 100-token limit); its soft tokens are prompt tokens."""
+    import base64
+    import io
+
+    from dgemma.sampling import Limits
+
+    out = io.BytesIO()
+    picture(200, 200).save(out, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "Hi"}]}]
+    demo.image_limits = ImageLimits(max_soft_tokens=70)
+    try:
+        ids = demo.encode_prompt(messages, max_tokens=100)
+    finally:
+        demo.image_limits = ImageLimits()
+    assert len(url) > 100_000 and 64 < len(ids) < 100
+    params = demo.params(max_new_tokens=4)
+    demo.check_request(ids, params, Limits(max_prompt_tokens=len(ids)))
+    with pytest.raises(SamplingParamsError, match="prompt"):
+        demo.check_request(ids, params, Limits(max_prompt_tokens=len(ids) - 1))
