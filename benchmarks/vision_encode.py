@@ -33,6 +33,15 @@ REAL = dict(hidden_size=1152, intermediate_size=4304, num_attention_heads=16, nu
             patch_size=16, pooling_kernel_size=3, position_embedding_size=10240, standardize=True)
 
 
+def encode_flops(cfg: VisionConfig, patches: int, text_hidden: int = 2816) -> int:
+    """Matmul FLOPs of one encode: per layer q/k/v/o, the gated MLP and attention (scores and values); the patch
+    projection and the embedder's projection once."""
+    h, i, heads = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim
+    layer = 2 * patches * h * 4 * heads + 2 * patches * h * i * 3 + 2 * 2 * patches**2 * heads
+    soft = patches // cfg.pooling_kernel_size**2
+    return cfg.num_hidden_layers * layer + 2 * patches * 3 * cfg.patch_size**2 * h + 2 * soft * h * text_hidden
+
+
 def _rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -71,7 +80,8 @@ def run(dtype: torch.dtype, args, image) -> dict:
     assert out.shape == (patches.soft_tokens, 2816)
     return {"preprocess_seconds": t_pre, "encode_seconds_median": statistics.median(times),
             "encode_seconds_best": min(times), "soft_tokens": patches.soft_tokens,
-            "patches": patches.pixels.shape[0], "parameter_bytes": weights, "activation_peak_bytes": peak}
+            "patches": patches.pixels.shape[0], "parameter_bytes": weights, "activation_peak_bytes": peak,
+            "flops": encode_flops(cfg, patches.pixels.shape[0])}
 
 
 def main() -> None:
