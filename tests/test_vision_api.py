@@ -130,6 +130,8 @@ def test_bad_input_is_refused_before_the_tower_runs(demo, tmp_path, monkeypatch)
     for messages, message in cases:
         with pytest.raises(SamplingParamsError, match=message):
             demo.generate(messages, max_new_tokens=2)
+    with pytest.raises(SamplingParamsError, match="outside the vocabulary"):  # another request's image's ids
+        demo.generate([2, demo.module.soft_tokens.vocab, demo.module.soft_tokens.vocab + 1], max_new_tokens=2)
     with pytest.raises(SamplingParamsError, match="no vision tower"):
         _text_only(tmp_path).generate(chat(picture(10, 10)), max_new_tokens=2)
     assert not ran
