@@ -244,7 +244,8 @@ class DiffusionGemma(nn.Module):
         q = torch.arange(start, start + n, device=device)
         window = self.cfg.text.sliding_window if sliding else None
         valid = self._valid(cache, kv, slots, first, start + n) if cache.has_padding(first) else None
-        return Span(lo, CausalMask(kv, q, window, valid, groups))  # built a block at a time: [n, keys] grows with the cache
+        # built a block at a time: [n, keys] grows with the cache
+        return Span(lo, CausalMask(kv, q, window, valid, groups))
 
     @staticmethod
     def _valid(cache: KVCache, kv: torch.Tensor, slots: torch.Tensor | None, first: int, hi: int) -> torch.Tensor:
