@@ -125,10 +125,10 @@ class CPUInt4Weight(QuantizedWeight):
         return self.shape[-1] // self.scales.shape[-1]
 
     def chunk_rows(self) -> int:
-        """Whole blocks of rows (the fast decode), at least one block."""
+        """The base chunk rounded up to whole blocks of rows (the fast decode)."""
         if len(self.shape) == 3:
             return super().chunk_rows()
-        return max(1, super().chunk_rows() // self.layout.block) * self.layout.block
+        return -(-super().chunk_rows() // self.layout.block) * self.layout.block
 
     # ---- decoding ------------------------------------------------------------------------------------------------
     def _codes(self, sel, out: Tensor) -> Tensor:
@@ -154,21 +154,22 @@ class CPUInt4Weight(QuantizedWeight):
         return _unpacked_codes(flat.view(-1, k // 2), n, k, self.layout)
 
     def _row_codes(self, ids: Tensor) -> Tensor:
-        """int8 codes [len(ids), K] of single rows (an embedding lookup): one strided byte gather per row."""
+        """int8 codes [len(ids), K] of single rows (an embedding lookup): a strided byte gather per row."""
         n, k = self.shape
         lay = self.layout
         main = n - n % lay.block
-        tail = ids >= main
-        width = torch.where(tail, n - main, lay.block)
-        start = torch.where(tail, main, ids - ids % lay.block)
-        j = ids - start
-        half = width // 2
-        byte, high = (j % half, j >= half) if lay.split else (j // 2, j % 2 == 1)
-        byte = torch.where(tail, j // 2, byte)
-        high = torch.where(tail, j % 2 == 1, high)
-        index = (start * k // 2 + byte)[:, None] + torch.arange(k)[None] * half[:, None]
-        raw = self.packed.view(-1)[index]
-        return ((raw >> (high[:, None] * 4).to(torch.uint8)) & 15).view(torch.int8) - 8
+        raw = torch.empty(ids.numel(), k, dtype=torch.uint8)
+        high = torch.empty(ids.numel(), 1, dtype=torch.uint8)
+        flat = self.packed.view(-1)
+        for lo, hi, width, split in ((0, main, lay.block, lay.split), (main, n, n - main, False)):
+            part = (ids >= lo) & (ids < hi)
+            block, j = (ids[part] - lo).div(width, rounding_mode="floor"), (ids[part] - lo) % width
+            if j.numel():
+                byte, upper = (j % (width // 2), j >= width // 2) if split else (j // 2, j % 2 == 1)
+                blocks = flat[lo * k // 2:hi * k // 2].view(-1, k, width // 2)  # [blocks, K, w/2]
+                raw[part] = blocks[block, :, byte]
+                high[part] = upper[:, None].to(torch.uint8) * 4
+        return ((raw >> high) & 15).view(torch.int8) - 8
 
     def _decode(self, sel, out: Tensor) -> None:
         grouped = self._codes(sel, out).view(*out.shape[:-1], -1, self.group_size)
