@@ -35,11 +35,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dgemma  # noqa: E402
 from dgemma.quant import QuantizedWeight  # noqa: E402
 from dgemma.quant.kernels import KERNEL  # noqa: E402
 from dgemma.quant.int4cpu import CPUInt4Weight  # noqa: E402
-from dgemma.sampling.fused import fast_step  # noqa: E402
+from quant_speed import step_seconds  # noqa: E402
+
+
+PROMPT = torch.tensor([[2] + list(range(100, 115))])
 
 
 def read_bandwidth(buf: torch.Tensor, repeats: int = 3) -> float:
@@ -83,25 +87,12 @@ def before(module: torch.nn.Module) -> int:
 @torch.inference_mode()
 def token_seconds(module, tokens: int) -> float:
     cache = module.new_cache(1, 16 + tokens + 1)
-    hidden = module.prefill(torch.tensor([[2] + list(range(100, 115))]), cache)
+    hidden = module.prefill(PROMPT, cache)
     t0 = time.perf_counter()
     for _ in range(tokens):
         token = module.head(hidden).argmax(-1)
         hidden = module.encode(token[:, None], cache)[:, -1]
     return (time.perf_counter() - t0) / tokens
-
-
-@torch.inference_mode()
-def step_seconds(module) -> float:
-    cache = module.new_cache(1, 16 + module.cfg.canvas_length)
-    module.encode(torch.tensor([[2] + list(range(100, 115))]), cache)
-    canvas = torch.randint(0, module.cfg.text.vocab_size, (1, module.cfg.canvas_length),
-                           generator=torch.Generator().manual_seed(0))
-    t0 = time.perf_counter()
-    hidden = module.denoise(canvas, cache)
-    fast_step(hidden, module.embed_tokens.weight, module.cfg.text.final_logit_softcapping, module.embed_scale,
-              torch.ones(1), torch.full((1,), 0.1), [torch.Generator().manual_seed(0)], [False], want_signal=True)
-    return time.perf_counter() - t0
 
 
 def _spec(variant: str, quantize: str | None) -> str | None:
@@ -144,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{n} {t[-1]:.3f} s/token ({ratios[n][-1]:.2f}x)" for n, t in times.items()), file=sys.stderr)
     for _ in range(args.steps):
         for name, m in models.items():
-            steps[name].append(step_seconds(m))
+            steps[name].append(step_seconds(m, PROMPT))
         print("step: " + ", ".join(f"{n} {t[-1]:.2f} s" for n, t in steps.items()), file=sys.stderr)
     out = {}
     for name in models:

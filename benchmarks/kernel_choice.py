@@ -15,25 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dgemma.quant import QuantizedWeight, a8, int4cpu, quantize_tensor  # noqa: E402
-
-
-def _ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return round(statistics.median(times), 3)
+from expert_kernels import median_ms  # noqa: E402
 
 
 def paths(n: int, k: int, dtype: torch.dtype) -> dict:
@@ -66,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             out[name] = {}
             for m in map(int, args.rows.split(",")):
                 x = torch.randn(m, args.k, generator=torch.Generator().manual_seed(m)).to(dtype)
-                out[name][m] = {path: _ms(lambda: fn(x), args.repeats) for path, fn in fns.items()}
+                out[name][m] = {path: median_ms(lambda: fn(x), args.repeats) for path, fn in fns.items()}
                 print(name, m, out[name][m], file=sys.stderr)
             wins = [m for m, t in out[name].items() if t["int4 kernel"] < t["decode + GEMM (torch layout)"]]
             crossover[name] = max(wins, default=0)
