@@ -147,10 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         if steps[name]:
             out[name]["seconds_per_denoising_step"] = round(statistics.median(steps[name]), 3)
     base = out[variants[0]]["seconds_per_token"]
+    speedup = {n: round(base / r["seconds_per_token"], 2) for n, r in out.items()}
     print(json.dumps({"model": args.model, "dtype": str(models[variants[0]].dtype).removeprefix("torch."),
                       "threads": args.threads, "cpu": torch.backends.cpu.get_cpu_capability(),
                       "read_bandwidth_gb_s": [round(b / 1e9, 2) for b in bandwidths], "reverted_2d_weights": reverted,
-                      f"speedup_over_{variants[0]}": {n: round(base / r["seconds_per_token"], 2) for n, r in out.items()},
+                      f"speedup_over_{variants[0]}": speedup,
                       "results": out}))
     return 0
 

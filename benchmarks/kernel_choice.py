@@ -2,7 +2,8 @@
 
 For each M and compute dtype: decode + GEMM from the group-local layout (`IntWeight`, what every call ran before
 the kernel choice), decode + GEMM from torch's int4 layout (`CPUInt4Weight`'s large-M path) and torch's int4
-kernel (its small-M path), and `+a8`'s oneDNN int8 GEMM where it exists. Median milliseconds, one process, interleaved per M.
+kernel (its small-M path), and `+a8`'s oneDNN int8 GEMM where it exists. Median milliseconds, one process,
+interleaved per M.
 
     python benchmarks/kernel_choice.py [--n 4096] [--k 2816] [--rows 1,4,16,32,64,128,256] [--dtypes float32,bfloat16]
         [--threads 1] [--repeats 5]
