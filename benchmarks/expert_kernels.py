@@ -23,7 +23,8 @@ from dgemma.model.moe import expert_matmul  # noqa: E402
 from dgemma.quant import int4cpu, quantize_tensor  # noqa: E402
 
 
-def _ms(fn, repeats: int) -> float:
+def median_ms(fn, repeats: int) -> float:
+    """Median milliseconds of `fn()` over `repeats` calls after one warm-up call."""
     fn()
     times = []
     for _ in range(repeats):
@@ -48,11 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     x = torch.randn(args.experts * args.rows, args.k, generator=g)
     ends = torch.arange(1, args.experts + 1) * args.rows
     int4 = quantize_tensor(dense, 4)
-    rows = {"float32": _ms(lambda: expert_matmul(x, dense, ends), args.repeats),
-            "int4 decode + sgemm": _ms(lambda: expert_matmul(x, int4, ends), args.repeats)}
+    rows = {"float32": median_ms(lambda: expert_matmul(x, dense, ends), args.repeats),
+            "int4 decode + sgemm": median_ms(lambda: expert_matmul(x, int4, ends), args.repeats)}
     if int4cpu.available():
-        packed = int4cpu.CPUInt4Experts.from_int(int4)
-        rows["int4 torch kernel"] = _ms(lambda: expert_matmul(x, packed, ends), args.repeats)
+        packed = int4cpu.CPUInt4Weight.from_int(int4)
+        rows["int4 torch kernel"] = median_ms(lambda: expert_matmul(x, packed, ends), args.repeats)
     for name, ms in rows.items():
         print(f"{name:>22} {ms:9.2f} ms", file=sys.stderr)
     print(json.dumps({"shape": [args.experts, args.n, args.k], "rows_per_expert": args.rows,

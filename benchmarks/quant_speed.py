@@ -26,8 +26,8 @@ from dgemma.sampling.fused import fast_step  # noqa: E402
 
 
 @torch.inference_mode()
-def step_seconds(model, prompt: torch.Tensor) -> float:
-    mod = model.module
+def step_seconds(mod, prompt: torch.Tensor) -> float:
+    """One denoising step of the module `mod` (decoder pass + fast vocabulary step) after encoding `prompt`."""
     cache = mod.new_cache(1, prompt.shape[1] + 2 * mod.cfg.canvas_length)
     mod.encode(prompt, cache)
     canvas = torch.randint(0, mod.cfg.text.vocab_size, (1, mod.cfg.canvas_length),
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     schemes = args.schemes.split(",")
-    models = {s: dgemma.load(args.model, dtype="float32", quantize=None if s == "none" else s) for s in schemes}
+    models = {s: dgemma.load(args.model, dtype="float32", quantize=None if s == "none" else s).module for s in schemes}
     prompt = torch.tensor([[2] + list(range(100, 131))])
     times: dict[str, list[float]] = {s: [] for s in schemes}
     for s in schemes:  # warm-up
