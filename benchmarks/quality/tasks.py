@@ -1,6 +1,6 @@
 """The quality harness's tasks: short prompts whose answers are checked exactly, generated deterministically from a
-seed. Every answer fits one canvas of the harness checkpoint (32 positions) in the bundled tokenizer, where digits
-and letters written without spaces are one token each."""
+seed. Every answer and its closing <end_of_turn> fit one canvas of the harness checkpoint (16 positions) in the
+bundled tokenizer, where digits and letters written without spaces are one token each."""
 
 from __future__ import annotations
 
@@ -29,17 +29,17 @@ def _digits(rng: random.Random, low: int, high: int) -> str:
 
 
 def copy(rng: random.Random) -> tuple[str, str]:
-    s = _digits(rng, 3, 10)
+    s = _digits(rng, 3, 8)
     return f"copy {s}", s
 
 
 def reverse(rng: random.Random) -> tuple[str, str]:
-    s = _digits(rng, 3, 10)
+    s = _digits(rng, 3, 8)
     return f"reverse {s}", s[::-1]
 
 
 def sort(rng: random.Random) -> tuple[str, str]:
-    s = _digits(rng, 3, 10)
+    s = _digits(rng, 3, 8)
     return f"sort {s}", "".join(sorted(s))
 
 
@@ -59,7 +59,7 @@ def recall(rng: random.Random) -> tuple[str, str]:
 
 def to_json(rng: random.Random) -> tuple[str, str]:
     """A JSON object with the given fields, in the given order, compact."""
-    keys = rng.sample(KEYS, rng.randint(1, 3))
+    keys = rng.sample(KEYS, rng.randint(1, 2))
     values = {k: rng.randint(0, 99) for k in keys}
     fields = " ".join(f"{k}={v}" for k, v in values.items())
     return f"json {fields}", json.dumps(values, separators=(",", ":"))
