@@ -112,7 +112,7 @@ def test_evaluation_on_the_bundled_model(model):
         o = r["overall"]
         assert o["examples"] == 2 and o["correct"] == 0 and o["flops_per_answer"] > 0
         assert all(r["tasks"][t]["examples"] == 1 for t in ("copy", "recall"))
-        assert len(report["outputs"][name]) == 2
+        assert len(report["outputs"][name]) == 2 and report["correct"][name] == [False, False]
     # one denoising step, 8 tokens in one 32-position canvas: one decoder pass per answer
     assert res["one_step"]["overall"]["decoder_passes"] == 2
     assert res["defaults"]["overall"]["decoder_passes"] > 2  # the adaptive defaults take more steps

@@ -126,8 +126,9 @@ def evaluate(model, examples: list[tasks.Example], variants: dict[str, dict[str,
         if log and (i + 1) % 20 == 0:
             log(f"{i + 1}/{len(examples)} examples")
     results = {name: {"options": variants[name], **per_task(examples, r)} for name, r in rows.items()}
-    return {"variants": results, "vs_defaults": versus_defaults(results),
-            "outputs": {name: [r["output"] for r in rs] for name, rs in rows.items()}}
+    return {"variants": results, "vs_defaults": versus_defaults(results),  # per example, in order: paired
+            "outputs": {name: [r["output"] for r in rs] for name, rs in rows.items()},
+            "correct": {name: [r["correct"] for r in rs] for name, rs in rows.items()}}
 
 
 @torch.no_grad()
@@ -261,9 +262,8 @@ def run(args: argparse.Namespace) -> int:
     report["machine"]["load_average"] = [start_load, load_average()]
     if not args.no_nll:
         report["heldout_nll"] = heldout_nll(args.nll_model, args.nll_text, args.dtype)
-    outputs = report.pop("outputs")
     for name in variants if args.show else ():
-        print(f"{name}: {[(e.prompt, o) for e, o in zip(examples, outputs[name][:args.show])]}")
+        print(f"{name}: {[(e.prompt, o) for e, o in zip(examples, report['outputs'][name][:args.show])]}")
     print(table(report))
     print(json.dumps(report))
     return 0
