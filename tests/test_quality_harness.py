@@ -102,6 +102,13 @@ def test_decode_scores_the_output_it_streams(model):
     assert not harness.decode(model, other, options, seed=7)["correct"]
 
 
+def test_unknown_or_invalid_options_are_refused_before_decoding(model):
+    harness.check_variants(model, {"defaults": {}, "ar": {"mode": "autoregressive", "max_denoising_steps": 4}})
+    for bad in ({"no_such_option": 1}, {"entropy_bound": -1.0}, {"mode": "sideways"}):
+        with pytest.raises(DgemmaError, match="variant bad"):
+            harness.check_variants(model, {"defaults": {}, "bad": bad})
+
+
 def test_evaluation_on_the_bundled_model(model):
     examples = tasks.examples(2, 2, ("copy", "recall"))
     variants = {"defaults": {}, "one_step": {"max_denoising_steps": 1}, "autoregressive": {"mode": "autoregressive"}}

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tasks  # noqa: E402
 from dgemma.bench.flops import autoregressive_flops, cpu_name, diffusion_flops, load_average  # noqa: E402
 from dgemma.errors import DgemmaError  # noqa: E402
+from dgemma.options import MODES, SAMPLINGS  # noqa: E402
 
 SCHEMA = "dgemma.quality/1"
 HELDOUT = Path(__file__).resolve().parent / "heldout.txt"
@@ -188,6 +189,7 @@ def check_variants(model, variants: dict[str, dict[str, Any]]) -> None:
         options = {k: v for k, v in variant.items() if k not in ("mode", "sampling")}
         try:
             model.params(**options)
+            model.runner(variant.get("mode", MODES[0]), variant.get("sampling", SAMPLINGS[0]))
         except ValueError as e:
             raise DgemmaError(f"variant {name}: {e}") from None
 
