@@ -4,7 +4,7 @@ accuracy, tokens per decoder pass, FLOPs per committed token (dgemma.bench.flops
 token (the first "text" event of Model.stream) and tokens/s; plus the held-out likelihood of a model under the
 training objective (dgemma.train.objective). Last stdout line JSON.
 
-    python benchmarks/quality/evaluate.py --model /work/quality-ckpt/final
+    python benchmarks/quality/evaluate.py --model runs/quality/final
     python benchmarks/quality/evaluate.py --model CKPT --variants defaults,max_steps_8 \\
         --variant 'early_commit_2={"early_commit": 2}'
 
@@ -220,7 +220,7 @@ def machine() -> dict[str, Any]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="/work/quality-ckpt/final", help="the harness checkpoint (train.py's final/)")
+    p.add_argument("--model", default="runs/quality/final", help="the harness checkpoint (train.py's final/)")
     p.add_argument("--per-task", type=int, default=50, help="examples per task")
     p.add_argument("--tasks", default=",".join(tasks.TASKS), help="comma-separated task names")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
