@@ -82,6 +82,14 @@ class TrainConfig:
         self.check()
 
     def check(self) -> None:
+        self._check_sources()
+        self._check_numbers()
+        from dgemma.train.checkpoint import sampling_params
+
+        sampling_params({}, self.generation)  # bad generation overrides fail now, not at the export
+
+    def _check_sources(self) -> None:
+        """What is trained on what: data, model or config + tokenizer, LoRA / QLoRA combinations."""
         if not self.train_data:
             raise ConfigError("no training data: set train_data (a text file or a .jsonl chat file)")
         if (self.model is None) == (self.model_config is None):
@@ -100,6 +108,8 @@ class TrainConfig:
             if any(t == "experts" or t.startswith("experts.") for t in self.lora_targets):
                 raise ConfigError("LoRA on experts needs float expert weights: drop experts from lora_targets "
                                   "or drop quantize")
+
+    def _check_numbers(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "canvases", "max_prompt", "lora_r", "eval_batches",
                      "keep_checkpoints", "log_every"):
             value = getattr(self, name)
@@ -125,9 +135,6 @@ class TrainConfig:
                               f"backend={self.backend!r} one of {', '.join(BACKENDS)}")
         if self.ar_weight < 0 or self.clip < 0 or self.weight_decay < 0:
             raise ConfigError("ar_weight, clip and weight_decay must be >= 0")
-        from dgemma.train.checkpoint import sampling_params
-
-        sampling_params({}, self.generation)  # bad generation overrides fail now, not at the export
 
     def lora_target_names(self) -> tuple[list[str], list[str]]:
         """(module name suffixes, 3D parameter names) for peft."""
