@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import dgemma  # noqa: E402
 from dgemma import Grammar  # noqa: E402
 from dgemma.bench.schemas import random_schemas  # noqa: E402
-from dgemma.engine import engine as engine_module  # noqa: E402
+from dgemma.engine.features import grammar as grammar_feature  # noqa: E402
 
 PROMPT = "Here is the record as JSON:"
 
@@ -74,12 +74,12 @@ def validity(model, schemas, batch: int, steps: int | None) -> dict:
 
 
 class GrammarClock:
-    """Wall time inside the engine's grammar hooks (constrain_step, finish_rows) and the number of steps."""
+    """Wall time inside the engine's grammar hooks (constrain_step, complete_rows) and the number of steps."""
 
     def __init__(self):
         self.seconds, self.calls = 0.0, 0
-        for name in ("constrain_step", "finish_rows"):
-            setattr(engine_module, name, self._timed(getattr(engine_module, name), name == "constrain_step"))
+        for name in ("constrain_step", "complete_rows"):
+            setattr(grammar_feature, name, self._timed(getattr(grammar_feature, name), name == "constrain_step"))
 
     def _timed(self, fn, counts: bool):
         def timed(*args, **kwargs):

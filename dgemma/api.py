@@ -54,7 +54,7 @@ def load(path_or_repo: str | Path | None = None, dtype: str | torch.dtype = "aut
     `compile`: run the denoising pass (the per-step body) through torch.compile; off, nothing changes.
     `quantize`: "int8" | "int4" (see `dgemma.quant.spec` for group sizes and the embedding): weight-only
     quantization while loading, tensor by tensor from the memory map. A GGUF file keeps its quantized tensors
-    compact without it (see `dgemma.weights.gguf_quant`); with it, they are re-quantized to that scheme."""
+    compact without it (see `dgemma.weights.gguf_load`); with it, they are re-quantized to that scheme."""
     spec = parse_quantize(quantize)
     if path_or_repo is None:
         if not (DEMO_MODEL / "config.json").is_file():
@@ -89,6 +89,11 @@ def load(path_or_repo: str | Path | None = None, dtype: str | torch.dtype = "aut
         # dynamic shapes: the cache view grows every canvas; a new batch size compiles once more
         module.denoise = torch.compile(module.denoise, dynamic=True)
     return Model(module, tokenizer, directory, generation)
+
+
+def load_model_from_args(args) -> Model:
+    """`load` with the options commands share (`options.add_model_options`)."""
+    return load(args.model, dtype=args.dtype, device=args.device, compile=args.compile, quantize=args.quantize)
 
 
 QUANT_DEVICES = ("cpu", "cuda")  # where the decode ops (bit shifts on uint8, int8 casts) are known to run

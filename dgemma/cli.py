@@ -8,7 +8,13 @@ import logging
 import sys
 
 from dgemma.errors import DgemmaError
-from dgemma.options import SAMPLINGS, add_mode_option, add_model_options, load_model_from_args
+from dgemma.options import SAMPLINGS, add_mode_option, add_model_options
+
+
+def load_model_from_args(args: argparse.Namespace):
+    from dgemma.api import load_model_from_args as load  # torch: only once a command runs, so --help stays fast
+
+    return load(args)
 
 
 def cmd_info(args: argparse.Namespace) -> int:

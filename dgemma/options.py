@@ -31,13 +31,6 @@ def add_quantize_option(p: argparse.ArgumentParser) -> None:
                    "on x86 CPUs: faster, one more byte per 2D weight")
 
 
-def load_model_from_args(args: argparse.Namespace):
-    """`dgemma.load` with the shared options."""
-    from dgemma.api import load
-
-    return load(args.model, dtype=args.dtype, device=args.device, compile=args.compile, quantize=args.quantize)
-
-
 def add_mode_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=MODES, default=MODES[0],
                    help="decode by block diffusion (default) or autoregressively with the encoder")

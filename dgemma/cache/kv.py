@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dgemma.cache import views
 from dgemma.cache.store import Fields, LinearStore, RingStore
 from dgemma.config import LayerSpec, TextConfig
 
@@ -114,6 +115,18 @@ class KVCache:
         returns, their slot ids [S] in key order, or None when they are first..start+n in order)."""
         store = next(s for i, s in enumerate(self.stores) if self.cfg.layer(i).sliding == sliding)
         return store.layout(lo, start, n, self.valid.device)
+
+    def encoder_span(self, start: int, n: int, sliding: bool) -> views.Span:
+        """What the causal encoder's n new tokens at `start` see (`views.encoder_span`)."""
+        return views.encoder_span(self, start, n, sliding)
+
+    def decoder_span(self, n: int, sliding: bool) -> views.Span:
+        """What a canvas of n tokens after the cached ones sees (`views.decoder_span`)."""
+        return views.decoder_span(self, self.length, n, sliding)
+
+    def context_span(self, context: Tensor, n: int, sliding: bool) -> views.Span:
+        """Training: what a canvas after each row's first context[b] cached tokens sees (`views.context_span`)."""
+        return views.context_span(self, context, n, sliding)
 
     def view(self, layer: int, lo: int, start: int, *new: Tensor) -> Fields:
         """Store a layer's new tensors [B, kv_heads, n, D] (k, v or k_proj's output, see `fields`) at slots

@@ -1,5 +1,5 @@
 """What the engine and the reference runner share: the prefill of a group of rows, one canvas's state and
-per-step bookkeeping (frozen rows, the stopper, step counts), and the events a canvas produces."""
+per-step bookkeeping (done rows, the stopper, step counts), and the events a canvas produces."""
 
 from __future__ import annotations
 
@@ -43,87 +43,95 @@ def _row_table(values: list[list[float]] | list[list[int]], device, dtype, fill)
 
 @dataclass
 class Canvas:
-    """One canvas of a batch of rows being denoised. `frozen` is the host copy of `done`, read once per step."""
+    """One canvas of a batch of rows being denoised. A row is done when it has nothing left to denoise on this
+    canvas (stable and confident, its grammar prefix complete, or out of steps); `done` is the host copy of
+    `done_mask`, read once per step."""
 
     tokens: Tensor  # [B, C] the decoder's next input
     argmax: Tensor  # [B, C] the current draft
-    done: Tensor  # [B] bool: stable and confident
-    frozen: list[bool]
+    done_mask: Tensor  # [B] bool
+    done: list[bool]
     row_steps: list[int]  # denoising steps each row has taken on this canvas
     stopper: StableConfidentStopper
     temperatures: Tensor  # [B, S] each row's schedule, padded with its last entry
     entropy_bound: Tensor  # [B]
     signal: Tensor | None = None
     accepted: Tensor | None = None  # [B, C] bool: positions whose sample the last step kept
-    stepped: list[bool] | None = None  # rows the last step moved (not frozen before it)
+    stepped: list[bool] | None = None  # rows the last step moved (not done before it)
     step: int = 0
 
     @classmethod
     def start(cls, rows: list[Request], tokens: Tensor) -> Canvas:
-        device, f32 = tokens.device, torch.float32
-        schedules = [temperature_schedule(r.params.max_denoising_steps, r.params.t_min, r.params.t_max,
-                                          device="cpu").tolist() for r in rows]  # host lists: one transfer below
+        device = tokens.device
+        schedules = [temperature_schedule(r.params.max_denoising_steps, r.params.t_min, r.params.t_max, device="cpu")
+                     for r in rows]  # on the host: one transfer below, no read
+        width = max(len(t) for t in schedules)
         stopper = StableConfidentStopper(
             torch.tensor([r.params.stability_threshold for r in rows], device=device),
             torch.tensor([r.params.confidence_threshold for r in rows], device=device))
         return cls(tokens, tokens, torch.zeros(len(rows), dtype=torch.bool, device=device), [False] * len(rows),
-                   [0] * len(rows), stopper, _row_table(schedules, device, f32, "last"),
+                   [0] * len(rows), stopper, torch.cat([_widen(t[None], width) for t in schedules]).to(device),
                    torch.tensor([r.params.entropy_bound for r in rows], device=device))
 
-    def temperature(self) -> Tensor:
-        """[B] this step's temperature per row."""
-        return self.temperatures[:, min(self.step, self.temperatures.shape[1] - 1)]
+    def temperature(self, shared_step: bool = False) -> Tensor:
+        """[B] this step's temperature per row: at the row's own step on its canvas, or (`shared_step`, the
+        reference) at the batch's."""
+        last = self.temperatures.shape[1] - 1
+        if shared_step:
+            return self.temperatures[:, min(self.step, last)]
+        index = torch.tensor([min(n, last) for n in self.row_steps], device=self.temperatures.device)
+        return self.temperatures.gather(1, index[:, None])[:, 0]
 
     def advance(self, rows: list[Request], out: StepOutput, signal: Tensor | None) -> None:
         """Take one step's output: rows already done keep their draft, tokens and signal (as transformers
         does), the stopper sees the new drafts, and the host learns which rows are now done."""
         argmax, tokens = out.argmax, out.canvas
-        if any(self.frozen):
-            argmax = freeze_rows(self.done, self.argmax, argmax)
-            tokens = freeze_rows(self.done, self.tokens, tokens)
+        if any(self.done):
+            argmax = freeze_rows(self.done_mask, self.argmax, argmax)
+            tokens = freeze_rows(self.done_mask, self.tokens, tokens)
             if signal is not None and self.signal is not None:
-                signal = freeze_rows(self.done, self.signal, signal)
-        for i, (r, f) in enumerate(zip(rows, self.frozen)):
+                signal = freeze_rows(self.done_mask, self.signal, signal)
+        for i, (r, f) in enumerate(zip(rows, self.done)):
             r.stats.decoder_passes += not f and not r.finished
             self.row_steps[i] += not f
-        self.done = self.done | self.stopper.update(argmax, out.entropy)
+        self.done_mask = self.done_mask | self.stopper.update(argmax, out.entropy)
         self.tokens, self.argmax, self.signal, self.accepted = tokens, argmax, signal, out.accepted
-        self.stepped = [not f for f in self.frozen]
+        self.stepped = [not f for f in self.done]
         self.step += 1
-        self.frozen = self.done.tolist()  # the step's one host read
+        self.done = self.done_mask.tolist()  # the step's one host read
 
     def mark_done(self, rows: list[int]) -> None:
-        """These rows have nothing left to denoise on this canvas (e.g. their grammar prefix is complete)."""
+        """These rows are done (e.g. their grammar prefix is complete, or they are out of steps)."""
         if rows:
-            self.done[torch.tensor(rows, device=self.done.device)] = True
+            self.done_mask[torch.tensor(rows, device=self.done_mask.device)] = True
             for i in rows:
-                self.frozen[i] = True
+                self.done[i] = True
 
-    def over(self, rows: list[Request], finished_rows_count: bool) -> bool:
+    def all_done(self, rows: list[Request], finished_rows_count: bool) -> bool:
         """Every row is done or out of steps; finished rows (aborted, or ended in an earlier canvas) count as
         done unless `finished_rows_count` (the reference keeps denoising them, as transformers does)."""
-        return all(f or self.step >= r.params.max_denoising_steps or (r.finished and not finished_rows_count)
-                   for f, r in zip(self.frozen, rows))
+        return all(f or n >= r.params.max_denoising_steps or (r.finished and not finished_rows_count)
+                   for f, n, r in zip(self.done, self.row_steps, rows))
 
     def last_step(self, rows: list[Request]) -> bool:
         """No row takes another step after this one: nobody reads this step's self-conditioning signal."""
-        return all(f or r.finished or self.step + 1 >= r.params.max_denoising_steps
-                   for f, r in zip(self.frozen, rows))
+        return all(f or r.finished or n + 1 >= r.params.max_denoising_steps
+                   for f, n, r in zip(self.done, self.row_steps, rows))
 
     def select(self, index: Tensor, keep: list[int]) -> None:
         """Keep only these rows (index [K] on the device, keep: the same as a list)."""
-        self.tokens, self.argmax, self.done = self.tokens[index], self.argmax[index], self.done[index]
+        self.tokens, self.argmax, self.done_mask = self.tokens[index], self.argmax[index], self.done_mask[index]
         self.signal = None if self.signal is None else self.signal[index]
         self.temperatures, self.entropy_bound = self.temperatures[index], self.entropy_bound[index]
         self.accepted = None if self.accepted is None else self.accepted[index]
-        self.frozen = [self.frozen[i] for i in keep]
+        self.done = [self.done[i] for i in keep]
         self.stepped = None if self.stepped is None else [self.stepped[i] for i in keep]
         self.row_steps = [self.row_steps[i] for i in keep]
         self.stopper.select(index)
 
     def drafts(self, rows: list[Request], events: list[Event]) -> None:
         """A draft event (the visible part of the current canvas and which of its positions the step accepted)
-        for each live row that asked for drafts and moved this step: a frozen row's draft would repeat itself."""
+        for each live row that asked for drafts and moved this step: a done row's draft would repeat itself."""
         live = [i for i, r in enumerate(rows) if r.drafts and not r.finished and self.stepped[i]]
         if live:
             c = self.argmax.shape[1]
@@ -132,14 +140,53 @@ class Canvas:
                 ids = rows[i].visible(both[i][:c])
                 events.append(Event(rows[i].id, "draft", ids, accepted=[a == 1 for a in both[i][c:c + len(ids)]]))
 
-    def commit(self, rows: list[Request], pad_id: int, events: list[Event]) -> Tensor:
-        """Commit each live row's draft up to its first EOS and within its budget; returns the canvas padded as
-        transformers does (each row with its own EOS ids), ready to be encoded."""
-        finished = torch.tensor([r.finished for r in rows], device=self.argmax.device)
+    def put(self, rows: list[int], fresh: Canvas) -> None:
+        """These rows start their next canvas: `fresh` (`Canvas.start` of those rows) replaces their state."""
+        index = torch.tensor(rows, device=self.tokens.device)
+        self.tokens = self.tokens.index_copy(0, index, fresh.tokens)
+        self.argmax = self.argmax.index_copy(0, index, fresh.argmax)
+        self.done_mask = self.done_mask.index_copy(0, index, fresh.done_mask)
+        width = max(self.temperatures.shape[1], fresh.temperatures.shape[1])
+        self.temperatures = _widen(self.temperatures, width).index_copy(0, index, _widen(fresh.temperatures, width))
+        self.entropy_bound = self.entropy_bound.index_copy(0, index, fresh.entropy_bound)
+        if self.signal is not None:  # a zero signal is the first step's: the MLP maps it to exactly zero
+            self.signal = self.signal.index_fill(0, index, 0)
+        for i in rows:
+            self.done[i], self.row_steps[i] = False, 0
+        self.stopper.put(index, fresh.stopper)
+
+    def extend(self, fresh: Canvas) -> None:
+        """`fresh`'s rows (joining requests) go on after these."""
+        width = max(self.temperatures.shape[1], fresh.temperatures.shape[1])
+        self.temperatures = torch.cat([_widen(self.temperatures, width), _widen(fresh.temperatures, width)])
+        self.tokens, self.argmax = torch.cat([self.tokens, fresh.tokens]), torch.cat([self.argmax, fresh.argmax])
+        self.done_mask = torch.cat([self.done_mask, fresh.done_mask])
+        self.entropy_bound = torch.cat([self.entropy_bound, fresh.entropy_bound])
+        if self.signal is not None:
+            self.signal = torch.cat([self.signal, self.signal.new_zeros(len(fresh.done), *self.signal.shape[1:])])
+        if self.accepted is not None:
+            self.accepted = torch.cat([self.accepted, fresh.tokens.new_zeros(fresh.tokens.shape, dtype=torch.bool)])
+        self.done, self.row_steps = self.done + fresh.done, self.row_steps + fresh.row_steps
+        self.stepped = None if self.stepped is None else self.stepped + [False] * len(fresh.done)
+        self.stopper.extend(fresh.stopper)
+
+    def commit(self, rows: list[Request], pad_id: int, events: list[Event], index: list[int] | None = None) -> Tensor:
+        """Commit the draft of each live row (of `index`, default all) up to its first EOS and within its budget;
+        returns those rows' canvas padded as transformers does (each row with its own EOS ids), ready to encode."""
+        argmax = self.argmax
+        if index is not None:
+            argmax, rows = argmax[torch.tensor(index, device=argmax.device)], [rows[i] for i in index]
+        steps = self.row_steps if index is None else [self.row_steps[i] for i in index]
+        finished = torch.tensor([r.finished for r in rows], device=argmax.device)
         eos_ids = [list(r.eos) if r.seeded is None else [] for r in rows]  # a seeded row's EOS may end a hole only
-        eos = _row_table(eos_ids, self.argmax.device, torch.long, -1)
-        padded = finalize_canvas(self.argmax, eos, pad_id, finished)
-        for r, ids, steps in zip(rows, self.argmax.tolist(), self.row_steps):
+        eos = _row_table(eos_ids, argmax.device, torch.long, -1)
+        padded = finalize_canvas(argmax, eos, pad_id, finished)
+        for r, ids, n in zip(rows, argmax.tolist(), steps):
             if not r.finished:
-                r.commit(ids, steps, events)
+                r.commit(ids, n, events)
         return padded
+
+
+def _widen(table: Tensor, width: int) -> Tensor:
+    """A [B, S] schedule table padded to [B, width] with each row's last entry."""
+    return table if table.shape[1] == width else torch.cat([table, table[:, -1:].expand(-1, width - table.shape[1])], 1)

@@ -29,7 +29,7 @@ class ReferenceRunner(Runner):
             raise ConfigError("reference sampling runs a fixed batch: requests cannot join once it has started")
         if self.rows and params != self.rows[0].params:
             raise ConfigError("reference sampling uses one set of sampling parameters for the whole batch")
-        req = self.make_request(prompt, params, request_id, drafts, seeded=False)
+        req = self.make_request(prompt, params, request_id, drafts, own_generator=False)
         self.rows.append(req)
         return req
 
@@ -57,8 +57,9 @@ class ReferenceRunner(Runner):
         tokens = torch.randint(0, model.cfg.text.vocab_size, (len(rows), model.cfg.canvas_length),
                                device=model.device)
         cv = Canvas.start(rows, tokens)
-        while not cv.over(rows, finished_rows_count=True):
-            processed = model.head(model.denoise(cv.tokens, cache, cv.signal)) / cv.temperature()[:, None, None]
+        while not cv.all_done(rows, finished_rows_count=True):
+            hidden = model.denoise(cv.tokens, cache, cv.signal)
+            processed = model.head(hidden) / cv.temperature(shared_step=True)[:, None, None]
             cv.advance(rows, reference_step(processed, rows[0].params.entropy_bound), model.soft_embed(processed))
             events: list[Event] = []
             cv.drafts(rows, events)

@@ -1,16 +1,16 @@
 """What every engine shares: making a request (the request's EOS ids, else the model's; a generator on the
-model's device) and driving `step()` to the end."""
+model's device; each request feature's state, `Feature.attach`) and driving `step()` to the end."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
 
+from dgemma.engine.features import FEATURES, Feature
 from dgemma.engine.request import Event, Request
 from dgemma.model import DiffusionGemma
-from dgemma.sampling import SamplingParams, SamplingParamsError, make_generator
+from dgemma.sampling import SamplingParams, make_generator
 from dgemma.sampling.constraints import GrammarVocab
-from dgemma.sampling.seeded import SeedState
 
 _ids = itertools.count()
 
@@ -19,8 +19,8 @@ class Runner:
     constrains = False  # follows request grammars
     seeds = False  # follows seeded layouts (suffix, template, edit)
 
-    def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...]):
-        self.model = model
+    def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], features: tuple[Feature, ...] = FEATURES):
+        self.model, self.features = model, features
         self.eos_ids = tuple(eos_ids)
         self.waiting: list[Request] = []
         self.grammar_vocab: Callable[[], GrammarVocab] | None = None  # set by whoever knows the tokenizer
@@ -33,21 +33,13 @@ class Runner:
         return req
 
     def make_request(self, prompt: list[int], params: SamplingParams, request_id: str | None, drafts: bool,
-                     seeded: bool = True) -> Request:
-        """`seeded=False`: no generator of its own (the reference draws from the global RNG)."""
+                     own_generator: bool = True) -> Request:
+        """`own_generator=False`: the reference draws from the global RNG."""
         eos = params.eos_token_ids if params.eos_token_ids is not None else self.eos_ids
-        generator = make_generator(params.seed, self.model.device) if seeded else None
+        generator = make_generator(params.seed, self.model.device) if own_generator else None
         req = Request(request_id or f"req-{next(_ids)}", list(prompt), params, tuple(eos), drafts, generator)
-        if params.grammar is not None:
-            if not self.constrains or self.grammar_vocab is None:
-                raise SamplingParamsError("constrained output needs a tokenizer and fast diffusion or "
-                                          "autoregressive decoding", params.grammar.param)
-            req.grammar = self.grammar_vocab().matcher(params.grammar, req.eos)
-        if params.seeded is not None:
-            if not self.seeds or not req.eos:
-                raise SamplingParamsError("a suffix, template or edit needs fast diffusion decoding and an "
-                                          "end-of-sequence token", params.seeded.param)
-            req.seeded = SeedState(params.seeded, req.eos)
+        for f in self.features:
+            f.attach(req, self)
         return req
 
     def held(self) -> list[Request]:

@@ -4,9 +4,9 @@ Full-attention layers have no v_proj: their values are the v-normed k_proj outpu
 rotated one. The cache keeps that output alone for them, and each pass derives the keys and values of the slots it
 reads (`derive`) with the reference's ops, so they are bit for bit what storing them would give; past WHOLE_KEYS
 slots a block of keys at a time (`blocked.py`). A pass's rows come in `Part`s, one per cache (one for a batch sharing
-a cache, one per request with caches of their own), and a `Span` says which cached slots a part sees and whether it
-needs a mask: plain causal prefill and unpadded batches call SDPA without one, so the fused kernels stay eligible
-(docs/kernels.md).
+a cache, one per request with caches of their own), and a `Span` the cache gives (`cache/views.py`) says which
+cached slots a part sees and whether it needs a mask: plain causal prefill and unpadded batches call SDPA without
+one, so the fused kernels stay eligible (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from torch import nn
 
 from dgemma.cache import KVCache
 from dgemma.config import TextConfig
-from dgemma.model.blocked import Mask, attend_blocks, mask_block
+from dgemma.cache.views import Span, mask_block
+from dgemma.model.blocked import attend_blocks
 from dgemma.model.layers import Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -32,16 +33,6 @@ MASK_FLOATS = 1 << 18
 # deriving only that block's keys and values; blocks hold at most BLOCK_FLOATS scores.
 WHOLE_KEYS = 1024
 BLOCK_FLOATS = 1 << 18
-
-
-class Span(NamedTuple):
-    """Queries see cached slots lo.. and their own: through `mask` [B, 1, n or 1, keys] if given (keys in the
-    order `KVCache.view` returns them; the encoder's is a `CausalMask`, built a block at a time), causally (SDPA's
-    is_causal: nothing cached before, square scores) if `causal`, else everything."""
-
-    lo: int
-    mask: Mask | None = None
-    causal: bool = False
 
 
 class Part(NamedTuple):

@@ -1,47 +1,15 @@
-"""Attention pieces whose whole form grows with the cache, taken a block at a time: the encoder's causal mask
-(`CausalMask`, built for the rows or keys asked), and attention over keys and values produced a block of keys at
-a time (`attend_blocks`, an online softmax: full-attention layers derive their keys from the cache per block, so
-no tensor the size of the history is made)."""
+"""Attention over keys and values produced a block of keys at a time (`attend_blocks`, an online softmax:
+full-attention layers derive their keys from the cache per block, so no tensor the size of the history is made;
+masks come from the cache, `cache/views.py`, a block at a time)."""
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 from torch import Tensor
 
-
-class CausalMask(NamedTuple):
-    """The encoder's mask, never built whole: query i (slot q[i]) sees key k (slot kv[k], keys in the order the
-    cache returns them) when kv[k] <= q[i], within `window` slots if given, and with `valid` [B, keys] only real
-    tokens (a padding query sees itself, so no softmax row is empty)."""
-
-    kv: Tensor
-    q: Tensor
-    window: int | None = None
-    valid: Tensor | None = None
-
-    def block(self, rows: slice, keys: slice) -> Tensor:
-        """[B or 1, 1, rows, keys] booleans."""
-        kv, q = self.kv[keys][None], self.q[rows][:, None]
-        mask = kv <= q
-        if self.window is not None:
-            mask &= kv > q - self.window
-        if self.valid is None:
-            return mask[None, None]
-        mask = mask[None] & self.valid[:, keys][:, None]
-        mask |= (kv == q)[None]
-        return mask[:, None]
-
-
-Mask = Tensor | CausalMask
-
-
-def mask_block(mask: Mask, rows: slice, keys: slice) -> Tensor:
-    """Rows and keys of a mask [B, 1, n or 1, keys] (a tensor of one row stands for every row)."""
-    if isinstance(mask, CausalMask):
-        return mask.block(rows, keys)
-    return mask[..., rows if mask.shape[-2] > 1 else slice(None), keys]
+from dgemma.cache.views import Mask, mask_block
 
 
 def attend_blocks(q: Tensor, n_keys: int, keys_values: Callable[[slice], tuple[Tensor, Tensor]],

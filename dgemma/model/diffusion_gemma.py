@@ -15,9 +15,9 @@ from torch import nn
 from dgemma.cache import KVCache
 from dgemma.cache.kv import POSITION_DTYPE
 from dgemma.config import ModelConfig, TextConfig
-from dgemma.model.attention import Attention, Part, Span
-from dgemma.model.blocked import CausalMask
-from dgemma.model.layers import GatedMLP, RMSNorm, matmul, rope_cos_sin
+from dgemma.model.attention import Attention, Part
+from dgemma.model.head import Head
+from dgemma.model.layers import GatedMLP, RMSNorm, rope_cos_sin
 from dgemma.model.moe import Experts, Router
 from dgemma.quant import QuantizedWeight
 
@@ -93,6 +93,7 @@ class DiffusionGemma(nn.Module):
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
         self.self_conditioning = SelfConditioning(t)
         self.embed_scale = t.hidden_size**0.5
+        self.lm_head = Head(self.embed_tokens, t.final_logit_softcapping, self.embed_scale)  # not a submodule
 
     @property
     def dtype(self) -> torch.dtype:
@@ -113,17 +114,11 @@ class DiffusionGemma(nn.Module):
 
     def soft_embed(self, logits: torch.Tensor) -> torch.Tensor:
         """softmax(logits) @ E * sqrt(H): the self-conditioning signal."""
-        w = self.embed_tokens.weight
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(w.dtype)
-        soft = w.linear_t(probs) if isinstance(w, QuantizedWeight) else matmul(probs, w)
-        return soft * torch.tensor(self.embed_scale, dtype=w.dtype, device=w.device)
+        return self.lm_head.soft_embed(logits)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Tied LM head with the final softcap, float32 logits."""
-        cap = self.cfg.text.final_logit_softcapping
-        w = self.embed_tokens.weight
-        logits = (w.linear(hidden) if isinstance(w, QuantizedWeight) else matmul(hidden, w.T)).float()
-        return torch.tanh(logits / cap) * cap
+        """Tied LM head with the final softcap, float32 logits (`model/head.py`)."""
+        return self.lm_head.logits(hidden)
 
     def encode(self, ids: torch.Tensor, cache: Caches, valid: torch.Tensor | None = None,
                positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -149,7 +144,7 @@ class DiffusionGemma(nn.Module):
     def _encode(self, ids, cache, valid, positions):
         n, caches = ids.shape[1], _listed(cache)
         starts = [c.reserve(n, None if valid is None else valid[rows]) for c, rows in zip(caches, _rows(caches))]
-        parts = {s: [Part(c, start, self._encoder_span(c, start, n, s)) for c, start in zip(caches, starts)]
+        parts = {s: [Part(c, start, c.encoder_span(start, n, s)) for c, start in zip(caches, starts)]
                  for s in (True, False)}
         return self._run(self.embed(ids), parts, n, positions, encoder=True)
 
@@ -168,11 +163,11 @@ class DiffusionGemma(nn.Module):
             (c,) = caches
             if positions is None:
                 positions = context[:, None] + torch.arange(n, device=canvas.device)
-            parts = {s: [Part(c, c.length, Span(0, self._context_mask(c, context, n, s)))] for s in (True, False)}
+            parts = {s: [Part(c, c.length, c.context_span(context, n, s))] for s in (True, False)}
             return self.norm(self._run(x, parts, n, positions, encoder=False, write=False))
         for c in caches:
             c.scratch(n)
-        parts = {s: [Part(c, c.length, self._decoder_span(c, c.length, n, s)) for c in caches] for s in (True, False)}
+        parts = {s: [Part(c, c.length, c.decoder_span(n, s)) for c in caches] for s in (True, False)}
         return self.norm(self._run(x, parts, n, positions, encoder=False))
 
     def _run(self, x, parts, n, positions, encoder, write=True):
@@ -202,43 +197,3 @@ class DiffusionGemma(nn.Module):
                 seen = torch.cat([p.cache.positions[:, p.span.lo:p.start], new], dim=1)
             out.append(p._replace(positions=seen))
         return out
-
-    def _encoder_span(self, cache: KVCache, start: int, n: int, sliding: bool) -> Span:
-        """Causal attention over slots lo..start+n. No mask where the keys are exactly those slots, nothing
-        visible is padding and the sliding window cuts no query's view short: one new token sees every slot; a
-        first chunk is plain causal."""
-        lo = cache.window_start(sliding, start)
-        first, slots = cache.layout(sliding, lo, start, n)
-        window_cuts = sliding and start + n - self.cfg.text.sliding_window > lo
-        exact = first == lo and slots is None
-        if exact and not cache.has_padding(lo) and not window_cuts and (n == 1 or start == lo):
-            return Span(lo, causal=n > 1)
-        device = cache.valid.device
-        kv = torch.arange(first, start + n, device=device) if slots is None else slots
-        q = torch.arange(start, start + n, device=device)
-        window = self.cfg.text.sliding_window if sliding else None
-        valid = self._valid(cache, kv, slots, first, start + n) if cache.has_padding(first) else None
-        return Span(lo, CausalMask(kv, q, window, valid))  # built a block at a time: [n, keys] grows with the cache
-
-    @staticmethod
-    def _valid(cache: KVCache, kv: torch.Tensor, slots: torch.Tensor | None, first: int, hi: int) -> torch.Tensor:
-        """[B, keys] whether each key's slot holds a real token."""
-        return cache.valid[:, first:hi] if slots is None else cache.valid[:, kv]
-
-    def _context_mask(self, cache: KVCache, context: torch.Tensor, n: int, sliding: bool) -> torch.Tensor:
-        slots = torch.arange(cache.length, device=context.device)[None]
-        past = cache.valid[:, :cache.length] & (slots < context[:, None])
-        if sliding:
-            past = past & (slots > context[:, None] - self.cfg.text.sliding_window)
-        return torch.cat([past, past.new_ones(past.shape[0], n)], dim=1)[:, None, None, :]
-
-    def _decoder_span(self, cache: KVCache, start: int, n: int, sliding: bool) -> Span:
-        """The canvas sees all of itself and the valid cached slots; the cache knows on the host whether any
-        visible slot is padding, so the unpadded case needs no device read and no mask."""
-        lo = cache.window_start(sliding, start)
-        first, slots = cache.layout(sliding, lo, start, n)
-        if first >= lo and not cache.has_padding(lo):
-            return Span(lo)
-        kv = torch.arange(first, start + n, device=cache.valid.device) if slots is None else slots
-        mask = (kv >= lo)[None] & (self._valid(cache, kv, slots, first, start + n) | (kv >= start)[None])
-        return Span(lo, mask[:, None, None, :])

@@ -7,16 +7,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from dgemma.config import RopeConfig
-from dgemma.dtypes import native_bf16
-from dgemma.quant import QuantizedWeight
+from dgemma.quant import QuantizedWeight, compute_dtype
 
 
 def gemm_dtype(weight: torch.Tensor) -> torch.dtype:
-    """The dtype a GEMM with this weight runs in: float32 for bf16 weights on a CPU without native bf16 (exact
-    inputs, float32 accumulation: what a native bf16 GEMM computes, up to summation order), else its own."""
-    if weight.dtype == torch.bfloat16 and not native_bf16(weight.device.type):
-        return torch.float32
-    return weight.dtype
+    """The dtype a GEMM with this weight runs in: the quantized weights' rule (`quant.compute_dtype`: float32 for
+    bf16 on a CPU without native bf16, exact inputs with float32 accumulation, else its own dtype)."""
+    return compute_dtype(weight.dtype, weight.device)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

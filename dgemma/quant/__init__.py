@@ -10,18 +10,17 @@ API (what other packages use):
   built by `int_weight(rows, shape, bits, group_size, dtype, device)` from a row reader (memory-mapped
   checkpoints quantize a chunk at a time) or `quantize_tensor(w, bits, group_size)`.
 - `FP8Weight`, `NVFP4Weight` (quant/fp.py): the formats pre-quantized checkpoints bring (decoded on the fly).
-- `join(parts, stack)`: one weight from per-expert / per-projection pieces (re-stacking unfused experts).
 - `QuantSpec` / `parse_quantize` (quant/spec.py): the `--quantize` vocabulary.
 - `a8` (quant/a8.py): `+a8`, int8 activations for 2D quantized weights on x86 CPUs (`a8.enable(module, ...)`).
 - `int4cpu` (quant/int4cpu.py): int4 expert stacks in torch's CPU int4 layout with their own grouped kernel
   (`expert_matmul(x, ends)`, which model/moe.py prefers when a format has it); converted at load on CPUs.
 """
 
-from dgemma.quant.base import QuantizedWeight, compute_dtype, join, summary
+from dgemma.quant.base import QuantizedWeight, compute_dtype, summary
 from dgemma.quant.fp import FP8Weight, NVFP4Weight
 from dgemma.quant.intq import DEFAULT_GROUP, IntWeight, int_weight, pack_int4, quantize_tensor, unpack_int4
 from dgemma.quant.spec import SCHEMES, QuantSpec, parse_quantize
 
-__all__ = ["DEFAULT_GROUP", "FP8Weight", "IntWeight", "NVFP4Weight", "join", "QuantSpec", "QuantizedWeight", "SCHEMES",
+__all__ = ["DEFAULT_GROUP", "FP8Weight", "IntWeight", "NVFP4Weight", "QuantSpec", "QuantizedWeight", "SCHEMES",
            "compute_dtype", "int_weight",
            "pack_int4", "parse_quantize", "quantize_tensor", "summary", "unpack_int4"]

@@ -150,18 +150,6 @@ class QuantizedWeight(nn.Module):
         return self.dequantize(flat).view(*ids.shape, self.shape[-1])
 
 
-def join(parts: list[QuantizedWeight], stack: bool = False) -> QuantizedWeight:
-    """Concatenate weights of one format along their rows (gate + up -> gate_up) or stack them
-    (experts -> [E, N, K])."""
-    first = parts[0]
-    if any(type(p) is not type(first) or p.group_size != first.group_size for p in parts):
-        raise ValueError(f"cannot join weights of different formats: {sorted({p.extra_repr() for p in parts})}")
-    names = [n for n, _ in first.named_buffers() if n in first.state_dict()]
-    tensors = [p.state_dict() for p in parts]
-    op = torch.stack if stack else (lambda ts: torch.cat(ts, dim=-2))
-    return first.rebuild({n: op([t[n] for t in tensors]) for n in names})
-
-
 def summary(model: nn.Module) -> str | None:
     """'int4 g32: 38 tensors, int8 g32: 1 tensor' for a model's quantized weights, None when there are none."""
     counts: dict[str, int] = {}

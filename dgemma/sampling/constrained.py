@@ -6,39 +6,24 @@ refused (the frontier) and where a canvas ends before its prefix is complete."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
+from dgemma.model.head import Head
 from dgemma.sampling.constraints import RowGrammar
 from dgemma.sampling.samplers import StepOutput, random_tokens
 
 Rows = list[RowGrammar | None]
 
 
-@dataclass
-class Head:
-    """The output head for single positions: logits = softcap * tanh(h . E / softcap)."""
-
-    embedding: Tensor  # [V, H]
-    softcap: float | None
-
-    def logits(self, h: Tensor) -> Tensor:
-        """h [K, H] -> float32 logits [K, V]."""
-        logits = (h.to(self.embedding.dtype) @ self.embedding.T).float()
-        return self.softcap * torch.tanh(logits / self.softcap) if self.softcap else logits
-
-    def token(self, h: Tensor, allowed: Tensor, inv_temp: float | None, generator: torch.Generator | None,
-              logits: Tensor | None = None) -> int:
-        """A token at one position from grammar-masked logits: drawn at temperature 1 / inv_temp, or the argmax
-        when inv_temp is None. h [H] (or its `logits` [V], already computed); allowed bool [V] (any device)."""
-        logits = self.logits(h[None])[0] if logits is None else logits
-        logits = logits.masked_fill(~allowed.to(logits.device), -math.inf)
-        if inv_temp is None:
-            return int(logits.argmax())
-        probs = torch.softmax(logits * inv_temp, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=generator))
+def masked_token(logits: Tensor, allowed: Tensor, inv_temp: float | None, generator: torch.Generator | None) -> int:
+    """A token from grammar-masked logits [V]: drawn at temperature 1 / inv_temp, or the argmax when inv_temp is
+    None. allowed: bool [V] (any device)."""
+    logits = logits.masked_fill(~allowed.to(logits.device), -math.inf)
+    if inv_temp is None:
+        return int(logits.argmax())
+    probs = torch.softmax(logits * inv_temp, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def start_canvas(grammars: Rows, budgets: list[int], canvas_length: int) -> None:
@@ -48,10 +33,10 @@ def start_canvas(grammars: Rows, budgets: list[int], canvas_length: int) -> None
 
 
 def constrain_step(grammars: Rows, out: StepOutput, hidden: Tensor, head: Head, inv_temp: Tensor,
-                   generators: list[torch.Generator], frozen: list[bool]) -> StepOutput:
+                   generators: list[torch.Generator], done: list[bool]) -> StepOutput:
     """Apply the rule to one step's output (in place) for the live constrained rows: the frontier from masked
     logits, then the run of accepted samples the grammar allows; the rest renoised. hidden [B, C, H]."""
-    rows = [i for i, g in enumerate(grammars) if g is not None and not frozen[i] and not g.complete]
+    rows = [i for i, g in enumerate(grammars) if g is not None and not done[i] and not g.complete]
     if not rows:
         return out
     index = torch.tensor(rows, device=out.canvas.device)
@@ -59,10 +44,10 @@ def constrain_step(grammars: Rows, out: StepOutput, hidden: Tensor, head: Head, 
     for j, i in enumerate(rows):
         g, p = grammars[i], len(grammars[i].locked)
         if not (accepted[j][p] and g.extend([samples[j][p]])):
-            g.extend([head.token(hidden[i, p], g.allowed(), temps[j], generators[i])])
+            g.extend([masked_token(head.logits(hidden[i, p:p + 1])[0], g.allowed(), temps[j], generators[i])])
         run = next((k for k, a in enumerate(accepted[j][p + 1:]) if not a), len(accepted[j]) - p - 1)
         g.extend(samples[j][p + 1:p + 1 + run])
-    noise = torch.stack([random_tokens(out.canvas.shape[1:], head.embedding.shape[0], out.canvas.device,
+    noise = torch.stack([random_tokens(out.canvas.shape[1:], head.vocab_size, out.canvas.device,
                                        generators[i]) for i in rows])
     prefix, inside = _prefixes([grammars[i] for i in rows], out.canvas.shape[1], out.canvas.device)
     out.canvas[index] = torch.where(inside, prefix, noise)
@@ -71,22 +56,22 @@ def constrain_step(grammars: Rows, out: StepOutput, hidden: Tensor, head: Head, 
     return out
 
 
-def finish_rows(grammars: Rows, argmax: Tensor, hidden: Tensor, head: Head, ending: list[bool]) -> list[int]:
+def complete_rows(grammars: Rows, argmax: Tensor, hidden: Tensor, head: Head, ending: list[bool]) -> list[int]:
     """Rows whose grammar prefix is complete, after completing greedily those whose canvas ends now
     (`ending`: done or out of steps); their locked prefix is written into `argmax` [B, C], the canvas that
     commits. Returns the complete rows (the engine marks them done)."""
     complete = []
     for i, g in enumerate(grammars):
-        if g is None or g.settled or not (g.complete or ending[i]):
+        if g is None or g.written or not (g.complete or ending[i]):
             continue
         draft, start = argmax[i].tolist(), len(g.locked)
         logits = head.logits(hidden[i, start:g.limit]) if not g.complete else None  # one GEMM for the rest
         while not g.complete:
             p = len(g.locked)
             if not (g.extend([draft[p]]) or
-                    g.extend([head.token(hidden[i, p], g.allowed(), None, None, logits[p - start])])):
+                    g.extend([masked_token(logits[p - start], g.allowed(), None, None)])):
                 g.give_up()
-        g.settled = True
+        g.written = True
         prefix, inside = _prefixes([g], argmax.shape[1], argmax.device)
         argmax[i] = torch.where(inside[0], prefix[0], argmax[i])
         complete.append(i)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dgemma.sampling.params import SamplingParamsError
+from dgemma.errors import SamplingParamsError
 
 KINDS = ("json_object", "json_schema", "regex", "lark")
 # compact JSON: no free whitespace, so a model cannot stall in an endless run of spaces
@@ -151,10 +151,10 @@ class RowGrammar:
         self.locked: list[int] = []
         self.limit = 0
         self.ended = False  # an EOS is locked: the grammar is complete
-        self.settled = False  # this canvas's prefix is final and written into the draft
+        self.written = False  # this canvas's prefix is final and written into the draft
 
     def start_canvas(self, limit: int) -> None:
-        self.locked, self.limit, self.settled = [], limit, False
+        self.locked, self.limit, self.written = [], limit, False
 
     def give_up(self) -> None:
         """End the row where the grammar allows no token at all (cannot happen with a consistent grammar and

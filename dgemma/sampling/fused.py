@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from dgemma.model.head import Head, embedding_rows
 from dgemma.model.layers import gemm_dtype
 from dgemma.quant import QuantizedWeight
 from dgemma.quant.a8 import quantize_rows
@@ -174,7 +175,7 @@ class _FloatRows:
         self.block: Tensor | None = None
 
     def logits(self, k: int, lo: int, chunk: int) -> int:
-        self.block = _rows(self.embedding, lo, chunk, self.dtype)
+        self.block = embedding_rows(self.embedding, lo, lo + chunk, self.dtype)
         return self.buf.head_mm(self.x, self.block)
 
     def soft(self, k: int, p: Tensor) -> Tensor:
@@ -202,35 +203,27 @@ def _int8_ready(embedding: Tensor | QuantizedWeight, chunk: int) -> bool:
     return a8 is not None and bool(a8.blocks_t) and a8.block_rows == chunk
 
 
-def _rows(embedding: Tensor | QuantizedWeight, lo: int, chunk: int, dtype: torch.dtype) -> Tensor:
-    """Embedding rows lo..lo+chunk in the GEMM dtype (a quantized embedding decodes them into its workspace)."""
-    if isinstance(embedding, QuantizedWeight):
-        return embedding.dequantize(slice(lo, lo + chunk), dtype, fresh=False)
-    return embedding[lo:lo + chunk].to(dtype)
-
-
 def _inverse_cdf(p: Tensor, u: Tensor, total: Tensor) -> Tensor:
     """Per row, the index where the running sum of p [R, W] first exceeds u * total."""
     cdf = p.cumsum(-1)
     return torch.searchsorted(cdf, (u * total)[:, None], right=True).squeeze(1).clamp_(max=p.shape[1] - 1)
 
 
-def fast_step(hidden: Tensor, embedding: Tensor, softcap: float, embed_scale: float, inv_temp: Tensor,
-              entropy_bound: Tensor, generators: list[torch.Generator], frozen: list[bool],
-              want_signal: bool) -> tuple[StepOutput, Tensor | None]:
+def fast_step(hidden: Tensor, head: Head, inv_temp: Tensor, entropy_bound: Tensor, generators: list[torch.Generator],
+              done: list[bool], want_signal: bool) -> tuple[StepOutput, Tensor | None]:
     """The fast denoising step for hidden [B, C, H]: `vocab_step`, entropy-bound acceptance, renoising; returns
     the step and the self-conditioning signal [B, C, H] (None when not wanted). Each row draws from its own
-    generator (uniforms, then renoise tokens); frozen rows draw nothing, so a row's random stream does not
+    generator (uniforms, then renoise tokens); done rows draw nothing, so a row's random stream does not
     depend on how long the rest of the batch runs. inv_temp, entropy_bound: [B]."""
     bsz, c, h = hidden.shape
-    vocab, device = embedding.shape[0], hidden.device
+    vocab, device = head.vocab_size, hidden.device
     chunk = vocab_chunk(device)
     uniforms = torch.zeros(bsz, c, num_uniforms(vocab, chunk), device=device)
     noise = torch.zeros(bsz, c, dtype=torch.long, device=device)
-    live = [i for i, f in enumerate(frozen) if not f]
+    live = [i for i, d in enumerate(done) if not d]
     for i in live:
         uniforms[i] = torch.rand(uniforms.shape[1:], generator=generators[i], device=device)
-    out = vocab_step(hidden.reshape(-1, h), embedding, softcap, embed_scale, inv_temp.repeat_interleave(c),
+    out = vocab_step(hidden.reshape(-1, h), head.weight, head.softcap, head.scale, inv_temp.repeat_interleave(c),
                      uniforms.flatten(0, 1), want_signal=want_signal, chunk=chunk)
     entropy = out.entropy.view(bsz, c)
     accept = entropy_bound_accept(entropy, entropy_bound[:, None])

@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dgemma.sampling.constrained import Head
+from dgemma.model.head import Head
 
-MAX_TOP = 20
 Entry = tuple[int, float, list[tuple[int, float]]]  # token id, log-probability, [(id, log-probability)] * top
 CHUNK = 32  # positions per GEMM: bounds the [positions, vocabulary] temporaries
 

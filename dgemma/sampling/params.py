@@ -7,26 +7,15 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from dgemma.errors import ConfigError
-
-if TYPE_CHECKING:
-    from dgemma.sampling.constraints import Grammar
-    from dgemma.sampling.seeded import Layout
+from dgemma.errors import SamplingParamsError
+from dgemma.sampling.constraints import Grammar
+from dgemma.sampling.seeded import Layout
 
 MAX_NEW_TOKENS = 1_000_000
 MAX_DENOISING_STEPS = 10_000
 MAX_SEED = 2**64 - 1
-
-
-class SamplingParamsError(ConfigError, ValueError):
-    """A request parameter is out of range (a ValueError for callers, a ConfigError for the CLI/server).
-    `param` names it (`prompt`, `max_new_tokens`, `stop`, ...) so the server can point at the field."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -72,7 +61,7 @@ class SamplingParams:
         eos = self.eos_token_ids
         if eos is not None and not isinstance(eos, tuple):
             object.__setattr__(self, "eos_token_ids", (eos,) if _is_int(eos) else tuple(eos))
-        if self.seeded is not None and hasattr(self.seeded, "tokens"):
+        if isinstance(self.seeded, Layout):
             object.__setattr__(self, "max_new_tokens", max(1, len(self.seeded.tokens)))
         self._check()
 
@@ -94,7 +83,7 @@ class SamplingParams:
         if self.eos_token_ids is not None and not all(_is_int(i) and i >= 0 for i in self.eos_token_ids):
             _fail(f"eos_token_ids={self.eos_token_ids!r} must be non-negative integers", "eos_token_ids")
         if self.grammar is not None:
-            if not callable(getattr(self.grammar, "check", None)):
+            if not isinstance(self.grammar, Grammar):
                 _fail("grammar must be a dgemma.Grammar (Grammar.json_schema(...), .regex(...), ...)", "grammar")
             self.grammar.check()
         if self.logprobs is not None:
@@ -102,7 +91,7 @@ class SamplingParams:
             if self.seeded is not None:
                 _fail("logprobs with a suffix, template or edit are not supported", "logprobs")
         if self.seeded is not None:
-            if not callable(getattr(self.seeded, "check", None)):
+            if not isinstance(self.seeded, Layout):
                 _fail("seeded must be a dgemma.sampling.seeded.Layout", "seeded")
             self.seeded.check()
             if self.grammar is not None:

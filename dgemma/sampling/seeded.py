@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dgemma.sampling.params import SamplingParamsError
+from dgemma.errors import SamplingParamsError
 from dgemma.sampling.samplers import StepOutput
 
 HOLE = re.compile(r"\[\[hole(?::(\d+))?\]\]")

@@ -41,6 +41,29 @@ class StableConfidentStopper:
         if isinstance(self.confidence_threshold, Tensor):
             self.confidence_threshold = self.confidence_threshold[rows]
 
+    def put(self, rows: Tensor, fresh: StableConfidentStopper) -> None:
+        """Rows `rows` (index tensor) start over with `fresh`'s thresholds and history (a new canvas)."""
+        if self._prev is not None:
+            prev, run = fresh._history(self._prev.shape[1], self._prev.device, len(rows))
+            self._prev[rows], self._run[rows] = prev, run
+        self.stability_threshold[rows] = fresh.stability_threshold
+        self.confidence_threshold[rows] = fresh.confidence_threshold
+
+    def extend(self, fresh: StableConfidentStopper) -> None:
+        """`fresh`'s rows join after these (per-row threshold tensors on both sides)."""
+        if self._prev is not None:
+            prev, run = fresh._history(self._prev.shape[1], self._prev.device, len(fresh.stability_threshold))
+            self._prev, self._run = torch.cat([self._prev, prev]), torch.cat([self._run, run])
+        self.stability_threshold = torch.cat([self.stability_threshold, fresh.stability_threshold])
+        self.confidence_threshold = torch.cat([self.confidence_threshold, fresh.confidence_threshold])
+
+    def _history(self, width: int, device, rows: int) -> tuple[Tensor, Tensor]:
+        """(previous argmax [rows, width], run [rows]): this stopper's, or a fresh one's (-1, 0)."""
+        if self._prev is not None:
+            return self._prev, self._run
+        return (torch.full((rows, width), -1, dtype=torch.long, device=device),
+                torch.zeros(rows, dtype=torch.long, device=device))
+
     def update(self, argmax_canvas: Tensor, scores: Tensor, active: Tensor | None = None) -> Tensor:
         """One denoising step. argmax_canvas [B, C]; scores: token entropies [B, C] (as returned by the
         step) or processed logits [B, C, V]. Returns bool [B]: stable & confident, or not active.

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from dgemma.errors import DgemmaError
-from dgemma.options import add_mode_option, add_model_options, load_model_from_args
+from dgemma.options import add_mode_option, add_model_options
 from dgemma.server.config import ServerConfig
 
 log = logging.getLogger("dgemma.server")
@@ -106,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
         failure.append(message)
         if server is not None:
             server.should_exit = True
+
+    from dgemma.api import load_model_from_args
 
     app = create_app(config, lambda: load_model_from_args(args), on_fatal)
     uv = uvicorn_config(app, config, log_level=args.log_level, access_log=not args.no_access_log,

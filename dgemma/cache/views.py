@@ -1,0 +1,115 @@
+"""The attention views a cache implies (cf. mlx-lm's `cache.make_mask`): for a pass adding n tokens at slot
+`start`, which cached slots its queries see (`Span.lo`) and through which mask, if any. The model asks its cache
+(`KVCache.encoder_span` / `decoder_span` / `context_span`) and never builds a mask itself. Plain causal prefill and
+unpadded batches get no mask, so SDPA's fused kernels stay eligible (docs/kernels.md); the encoder's mask grows with
+the cache, so it is a `CausalMask`, built a block at a time."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import torch
+from torch import Tensor
+
+from dgemma.config import TextConfig
+
+
+class KVCache(Protocol):
+    """What the views read of a cache (`cache/kv.py`)."""
+
+    cfg: TextConfig
+    valid: Tensor  # [B, capacity] bool
+    length: int
+
+    def window_start(self, sliding: bool, start: int) -> int: ...
+
+    def layout(self, sliding: bool, lo: int, start: int, n: int) -> tuple[int, Tensor | None]: ...
+
+    def has_padding(self, lo: int) -> bool: ...
+
+
+class CausalMask(NamedTuple):
+    """The encoder's mask, never built whole: query i (slot q[i]) sees key k (slot kv[k], keys in the order the
+    cache returns them) when kv[k] <= q[i], within `window` slots if given, and with `valid` [B, keys] only real
+    tokens (a padding query sees itself, so no softmax row is empty)."""
+
+    kv: Tensor
+    q: Tensor
+    window: int | None = None
+    valid: Tensor | None = None
+
+    def block(self, rows: slice, keys: slice) -> Tensor:
+        """[B or 1, 1, rows, keys] booleans."""
+        kv, q = self.kv[keys][None], self.q[rows][:, None]
+        mask = kv <= q
+        if self.window is not None:
+            mask &= kv > q - self.window
+        if self.valid is None:
+            return mask[None, None]
+        mask = mask[None] & self.valid[:, keys][:, None]
+        mask |= (kv == q)[None]
+        return mask[:, None]
+
+
+Mask = Tensor | CausalMask
+
+
+def mask_block(mask: Mask, rows: slice, keys: slice) -> Tensor:
+    """Rows and keys of a mask [B, 1, n or 1, keys] (a tensor of one row stands for every row)."""
+    if isinstance(mask, CausalMask):
+        return mask.block(rows, keys)
+    return mask[..., rows if mask.shape[-2] > 1 else slice(None), keys]
+
+
+class Span(NamedTuple):
+    """Queries see cached slots lo.. and their own: through `mask` [B, 1, n or 1, keys] if given (keys in the
+    order `KVCache.view` returns them), causally (SDPA's is_causal: nothing cached before, square scores) if
+    `causal`, else everything."""
+
+    lo: int
+    mask: Mask | None = None
+    causal: bool = False
+
+
+def encoder_span(cache: KVCache, start: int, n: int, sliding: bool) -> Span:
+    """Causal attention over slots lo..start+n. No mask where the keys are exactly those slots, nothing visible is
+    padding and the sliding window cuts no query's view short: one new token sees every slot; a first chunk is
+    plain causal."""
+    lo, window = cache.window_start(sliding, start), cache.cfg.sliding_window
+    first, slots = cache.layout(sliding, lo, start, n)
+    window_cuts = sliding and start + n - window > lo
+    exact = first == lo and slots is None
+    if exact and not cache.has_padding(lo) and not window_cuts and (n == 1 or start == lo):
+        return Span(lo, causal=n > 1)
+    device = cache.valid.device
+    kv = torch.arange(first, start + n, device=device) if slots is None else slots
+    q = torch.arange(start, start + n, device=device)
+    valid = _valid(cache, kv, slots, first, start + n) if cache.has_padding(first) else None
+    return Span(lo, CausalMask(kv, q, window if sliding else None, valid))
+
+
+def decoder_span(cache: KVCache, start: int, n: int, sliding: bool) -> Span:
+    """The canvas sees all of itself and the valid cached slots; the cache knows on the host whether any visible
+    slot is padding, so the unpadded case needs no device read and no mask."""
+    lo = cache.window_start(sliding, start)
+    first, slots = cache.layout(sliding, lo, start, n)
+    if first >= lo and not cache.has_padding(lo):
+        return Span(lo)
+    kv = torch.arange(first, start + n, device=cache.valid.device) if slots is None else slots
+    mask = (kv >= lo)[None] & (_valid(cache, kv, slots, first, start + n) | (kv >= start)[None])
+    return Span(lo, mask[:, None, None, :])
+
+
+def context_span(cache: KVCache, context: Tensor, n: int, sliding: bool) -> Span:
+    """Training: row b's canvas sees its first context[b] cached tokens (the last window - 1 of them on sliding
+    layers) and all of itself; the cache stays untouched."""
+    slots = torch.arange(cache.length, device=context.device)[None]
+    past = cache.valid[:, :cache.length] & (slots < context[:, None])
+    if sliding:
+        past = past & (slots > context[:, None] - cache.cfg.sliding_window)
+    return Span(0, torch.cat([past, past.new_ones(past.shape[0], n)], dim=1)[:, None, None, :])
+
+
+def _valid(cache: KVCache, kv: Tensor, slots: Tensor | None, first: int, hi: int) -> Tensor:
+    """[B, keys] whether each key's slot holds a real token."""
+    return cache.valid[:, first:hi] if slots is None else cache.valid[:, kv]

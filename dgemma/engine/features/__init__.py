@@ -1,0 +1,12 @@
+"""Request features as parts of the engine: each implements the row-feature protocol (features/base.py). A new
+feature is one module here and one entry below; the order is the order the hooks run in."""
+
+from dgemma.engine.features.base import Feature, Step
+from dgemma.engine.features.drafts import Drafts
+from dgemma.engine.features.grammar import Grammar
+from dgemma.engine.features.infill import Infill
+from dgemma.engine.features.logprobs import Logprobs
+
+FEATURES: tuple[Feature, ...] = (Infill(), Grammar(), Logprobs(), Drafts())
+
+__all__ = ["FEATURES", "Feature", "Step"]

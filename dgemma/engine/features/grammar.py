@@ -1,0 +1,39 @@
+"""Grammar-constrained rows: a fresh locked prefix per canvas, the valid-prefix rule after each step, and the
+greedy completion of a row whose canvas ends (the rule: sampling/constrained.py)."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from dgemma.engine.features.base import Feature, Step
+from dgemma.engine.request import Request
+from dgemma.sampling import SamplingParamsError
+from dgemma.sampling.constrained import complete_rows, constrain_step, start_canvas
+
+
+class Grammar(Feature):
+    def attach(self, req: Request, runner) -> None:
+        grammar = req.params.grammar
+        if grammar is not None:
+            if not runner.constrains or runner.grammar_vocab is None:
+                raise SamplingParamsError("constrained output needs a tokenizer and fast diffusion or "
+                                          "autoregressive decoding", grammar.param)
+            req.grammar = runner.grammar_vocab().matcher(grammar, req.eos)
+
+    def start(self, rows: list[Request], tokens: Tensor) -> None:
+        start_canvas([r.grammar for r in rows], [r.budget for r in rows], tokens.shape[1])
+
+    def step(self, s: Step) -> None:
+        grammars = _live(s)
+        if any(grammars):
+            s.out = constrain_step(grammars, s.out, s.hidden, s.head, s.inv_temp, [r.generator for r in s.rows],
+                                   s.canvas.done)
+
+    def settle(self, s: Step) -> None:
+        grammars = _live(s)
+        if any(grammars):
+            s.canvas.mark_done(complete_rows(grammars, s.canvas.argmax, s.hidden, s.head, s.ending()))
+
+
+def _live(s: Step) -> list:
+    return [None if r.finished else r.grammar for r in s.rows]
