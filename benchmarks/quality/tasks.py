@@ -1,0 +1,100 @@
+"""The quality harness's tasks: short prompts whose answers are checked exactly, generated deterministically from a
+seed. Every answer and its closing <end_of_turn> fit one canvas of the harness checkpoint (16 positions) in the
+bundled tokenizer, where digits and letters written without spaces are one token each."""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+KEYS = "abcdefghijkmnpqrstuvwxyz"  # no l / o: they read like 1 / 0
+
+
+@dataclass(frozen=True)
+class Example:
+    task: str
+    prompt: str
+    answer: str
+
+    def messages(self) -> list[dict[str, str]]:
+        """The chat form the trainer reads and the evaluation prompts with (the answer is the last turn)."""
+        return [{"role": "user", "content": self.prompt}, {"role": "assistant", "content": self.answer}]
+
+
+def _digits(rng: random.Random, low: int, high: int) -> str:
+    return "".join(rng.choice(string.digits) for _ in range(rng.randint(low, high)))
+
+
+def copy(rng: random.Random) -> tuple[str, str]:
+    s = _digits(rng, 3, 8)
+    return f"copy {s}", s
+
+
+def reverse(rng: random.Random) -> tuple[str, str]:
+    s = _digits(rng, 3, 8)
+    return f"reverse {s}", s[::-1]
+
+
+def sort(rng: random.Random) -> tuple[str, str]:
+    s = _digits(rng, 3, 8)
+    return f"sort {s}", "".join(sorted(s))
+
+
+def add(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(0, 99), rng.randint(0, 99)
+    return f"add {a}+{b}", str(a + b)
+
+
+def recall(rng: random.Random) -> tuple[str, str]:
+    """Key-value recall: 3-6 one-letter keys with one-digit values, then the key asked for."""
+    keys = rng.sample(KEYS, rng.randint(3, 6))
+    values = {k: rng.choice(string.digits) for k in keys}
+    pairs = " ".join(f"{k}={v}" for k, v in values.items())
+    key = rng.choice(keys)
+    return f"{pairs} ?{key}", values[key]
+
+
+def to_json(rng: random.Random) -> tuple[str, str]:
+    """A JSON object with the given fields, in the given order, compact."""
+    keys = rng.sample(KEYS, rng.randint(1, 2))
+    values = {k: rng.randint(0, 99) for k in keys}
+    fields = " ".join(f"{k}={v}" for k, v in values.items())
+    return f"json {fields}", json.dumps(values, separators=(",", ":"))
+
+
+TASKS = {"copy": copy, "reverse": reverse, "sort": sort, "add": add, "recall": recall, "json": to_json}
+
+
+def examples(n: int, seed: int, tasks: tuple[str, ...] = tuple(TASKS)) -> list[Example]:
+    """n examples cycling through `tasks`; the same (n, seed, tasks) always gives the same list."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        task = tasks[i % len(tasks)]
+        prompt, answer = TASKS[task](rng)
+        out.append(Example(task, prompt, answer))
+    return out
+
+
+def held_out(n: int, seed: int, train: set[str], tasks: tuple[str, ...] = tuple(TASKS)) -> list[Example]:
+    """n examples whose prompts are not in `train` (the evaluation set never repeats a training prompt)."""
+    out, offset = [], 0
+    while len(out) < n:
+        batch = [e for e in examples(n, seed + offset, tasks) if e.prompt not in train]
+        out += batch[:n - len(out)]
+        offset += 1
+    return out
+
+
+def is_correct(example: Example, output: str) -> bool:
+    """Exact match of the whole answer (surrounding whitespace aside)."""
+    return output.strip() == example.answer
+
+
+def write_jsonl(path: Path, rows: list[Example]) -> None:
+    """The trainer's chat format: one {"messages": [...]} object per line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"messages": e.messages()}) + "\n" for e in rows))

@@ -1,0 +1,130 @@
+"""The quality harness (benchmarks/quality/): the task generator's answers recomputed from the prompts, the exact-match
+checker on known cases, and the evaluation run on the bundled model for a few examples."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "quality"))
+import evaluate as harness  # noqa: E402
+import tasks  # noqa: E402
+
+import dgemma  # noqa: E402
+from dgemma.api import DEMO_MODEL  # noqa: E402
+from dgemma.errors import DgemmaError  # noqa: E402
+from dgemma.tokenizer import Tokenizer  # noqa: E402
+
+
+def recompute(example: tasks.Example) -> str:
+    """Each task's answer from its prompt alone."""
+    words = example.prompt.split()
+    if example.task in ("copy", "reverse", "sort"):
+        digits = words[1]
+        return {"copy": digits, "reverse": digits[::-1], "sort": "".join(sorted(digits))}[example.task]
+    if example.task == "add":
+        a, b = words[1].split("+")
+        return str(int(a) + int(b))
+    if example.task == "recall":
+        return dict(w.split("=") for w in words[:-1])[words[-1].removeprefix("?")]
+    fields = [w.split("=") for w in words[1:]]
+    return "{" + ",".join(f'"{k}":{int(v)}' for k, v in fields) + "}"
+
+
+def test_examples_are_seeded_and_cycle_through_the_tasks():
+    a, b = tasks.examples(24, 5), tasks.examples(24, 5)
+    assert a == b and a != tasks.examples(24, 6)
+    assert [e.task for e in a[:6]] == list(tasks.TASKS)
+    assert [e.task for e in tasks.examples(4, 0, ("sort", "add"))] == ["sort", "add", "sort", "add"]
+
+
+def test_answers_match_an_independent_computation():
+    for example in tasks.examples(600, 3):
+        assert example.answer == recompute(example), example
+    json_answers = [e.answer for e in tasks.examples(60, 3) if e.task == "json"]
+    assert all(isinstance(json.loads(a), dict) for a in json_answers)
+
+
+def test_answers_fit_one_canvas_of_the_harness_checkpoint():
+    tok = Tokenizer(DEMO_MODEL)
+    canvas = harness_canvas()
+    for example in tasks.examples(600, 4):
+        assert len(tok.encode(example.answer, add_bos=False)) + 1 <= canvas  # + the closing <end_of_turn>
+
+
+def harness_canvas() -> int:
+    sys.path.insert(0, str(Path(tasks.__file__).parent))
+    import train
+
+    return train.MODEL_CONFIG["canvas_length"]
+
+
+def test_checker_scores_right_answers_right_and_wrong_ones_wrong():
+    example = tasks.Example("sort", "sort 312", "123")
+    assert tasks.is_correct(example, "123")
+    assert tasks.is_correct(example, " 123\n")  # surrounding whitespace aside
+    for wrong in ("132", "1234", "12", "", "12 3", "0123"):
+        assert not tasks.is_correct(example, wrong), wrong
+
+
+def test_held_out_examples_never_repeat_a_training_prompt():
+    train = {e.prompt for e in tasks.examples(3000, 0, ("add",))}
+    held = tasks.held_out(200, 1, train, ("add",))
+    assert len(held) == 200 and not train & {e.prompt for e in held}
+
+
+def test_variants_are_chosen_by_name_or_given_as_json():
+    chosen = harness.choose_variants("max_steps_8", ['four={"max_denoising_steps": 4}'])
+    assert chosen == {"defaults": {}, "max_steps_8": {"max_denoising_steps": 8}, "four": {"max_denoising_steps": 4}}
+    with pytest.raises(DgemmaError):
+        harness.choose_variants("no_such_variant", [])
+    with pytest.raises(DgemmaError):
+        harness.choose_variants("", ["broken={"])
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dgemma.load(dtype="float32")
+
+
+def test_decode_scores_the_output_it_streams(model):
+    """The score of a decode is exact match on the text it streamed: an answer equal to that text (same seed)
+    is right, the same text with one more character wrong."""
+    example = tasks.examples(1, 2, ("copy",))[0]
+    options = {"max_new_tokens": 6, "max_denoising_steps": 4}
+    first = harness.decode(model, example, options, seed=7)
+    assert first["output"] and not first["correct"]  # the bundled model does not know the task
+    same = tasks.Example("copy", example.prompt, first["output"].strip())
+    assert harness.decode(model, same, options, seed=7)["correct"]
+    other = tasks.Example("copy", example.prompt, first["output"].strip() + "x")
+    assert not harness.decode(model, other, options, seed=7)["correct"]
+
+
+def test_evaluation_on_the_bundled_model(model):
+    examples = tasks.examples(2, 2, ("copy", "recall"))
+    variants = {"defaults": {}, "one_step": {"max_denoising_steps": 1}, "autoregressive": {"mode": "autoregressive"}}
+    report = harness.evaluate(model, examples, variants, seed=0, common={"max_new_tokens": 8})
+    res = report["variants"]
+    assert set(res) == set(variants) and set(res["defaults"]["tasks"]) == {"copy", "recall"}
+    for name, r in res.items():
+        o = r["overall"]
+        assert o["examples"] == 2 and o["correct"] == 0 and o["flops_per_answer"] > 0
+        assert all(r["tasks"][t]["examples"] == 1 for t in ("copy", "recall"))
+        assert len(report["outputs"][name]) == 2
+    # one denoising step, 8 tokens in one 32-position canvas: one decoder pass per answer
+    assert res["one_step"]["overall"]["decoder_passes"] == 2
+    assert res["defaults"]["overall"]["decoder_passes"] > 2  # the adaptive defaults take more steps
+    assert res["one_step"]["overall"]["flops_per_answer"] < res["defaults"]["overall"]["flops_per_answer"]
+    ar = res["autoregressive"]["overall"]  # one pass per token, plus the EOS when an answer stopped early
+    assert ar["tokens"] <= ar["decoder_passes"] <= ar["tokens"] + 2
+    assert report["vs_defaults"]["defaults"]["flops_per_token_ratio"] == 1.0
+    assert report["vs_defaults"]["one_step"]["accuracy_points"] == 0.0
+
+
+def test_held_out_likelihood_of_the_bundled_model_beats_a_uniform_guess():
+    nll = harness.heldout_nll(None, harness.HELDOUT, "float32", draws=1, max_windows=4)
+    assert nll["windows"] == 4
+    for key in ("diffusion_nats_per_token", "autoregressive_nats_per_token"):
+        assert 0 < nll[key] < math.log(4096), nll  # a trained model, scored right, beats log(vocabulary)
