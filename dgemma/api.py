@@ -23,7 +23,7 @@ from dgemma.quant import summary as quant_summary
 from dgemma.sampling import Limits, SamplingParams, SamplingParamsError
 from dgemma.sampling.constraints import GrammarVocab, shared_vocab
 from dgemma.sampling.fused import vocab_chunk
-from dgemma.sampling.seeded import Layout, edit_parts, parse_template
+from dgemma.sampling.seeded import Layout, edit_parts, parse_template, renoised_positions
 from dgemma.tokenizer import Tokenizer
 from dgemma.weights import is_gguf, load_gguf_model, load_model, resolve_checkpoint
 
@@ -205,8 +205,10 @@ class Model:
             hole = options.get("max_new_tokens") or self.defaults.max_new_tokens
             return Layout.from_parts([hole, self._text_ids(suffix, "suffix")], echo=False, param="suffix")
         if template is not None:
-            parts = parse_template(template)
-            return Layout.from_parts([p if isinstance(p, int) else self._text_ids(p, "template") for p in parts])
+            self._check_text_fits(template, "template")
+            parts = parse_template(template, self.max_context)
+            return Layout.from_parts([p if isinstance(p, int) else self._text_ids(p, "template") for p in parts],
+                                     limit=self.max_context)
         ids, offsets = (edit, [(i, i + 1) for i in range(len(edit))]) if isinstance(edit, list) else \
             self._text_offsets(edit)
         if isinstance(renoise, (int, float)):
@@ -215,8 +217,8 @@ class Model:
             rng = random.Random(options.get("seed") or 0)
             chosen = set(rng.sample(range(len(ids)), max(1, round(renoise * len(ids)))))
         else:
-            chosen = {i for i, (a, b) in enumerate(offsets) for s, e in renoise if a < e and s < b}
-        return Layout.from_parts(edit_parts(self.check_ids(list(ids)), chosen), param="edit")
+            chosen = renoised_positions(offsets, renoise)
+        return Layout.from_parts(edit_parts(self.check_ids(list(ids)), chosen), param="edit", limit=self.max_context)
 
     def token_bytes(self, token_id: int) -> bytes:
         """A token's raw bytes (a piece of a multi-byte character stays a piece)."""
@@ -225,11 +227,20 @@ class Model:
     def _text_ids(self, text: str, param: str) -> list[int]:
         if not isinstance(text, str) or not text:
             raise SamplingParamsError(f"{param} must be a non-empty string", param)
+        self._check_text_fits(text, param)
         return self._require_tokenizer().encode(text, add_bos=False)
 
     def _text_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        self._check_text_fits(text, "edit")
         enc = self._require_tokenizer().tok.encode(text, add_special_tokens=False)
         return enc.ids, enc.offsets
+
+    def _check_text_fits(self, text: str, param: str) -> None:
+        """A seeded canvas's text (suffix, template, draft) that cannot fit in the context: refused untokenized."""
+        try:
+            self._check_length(text, self.max_context)
+        except SamplingParamsError as e:
+            raise SamplingParamsError(str(e).replace("the prompt", f"the {param}"), param) from None
 
     def check_request(self, ids: list[int], params: SamplingParams, limits: Limits = Limits(),
                       mode: str = "diffusion", sampling: str = "fast") -> None:

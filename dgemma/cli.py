@@ -33,6 +33,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if (args.prompt is None) == (args.prompt_ids is None):
         raise DgemmaError("give a PROMPT or --prompt-ids, not both and not neither")
+    _check_mode_options(args)
     prompt = args.prompt if args.prompt_ids is None else _parse_ids(args.prompt_ids)
     if args.chat and isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
@@ -47,6 +48,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     events = model.stream(prompt, drafts=args.visual, **options)
     print_stream(events, visual=args.visual, show_ids=model.tokenizer is None)
     return 0
+
+
+def _check_mode_options(args: argparse.Namespace) -> None:
+    """Options of the other decoding mode would be ignored: refuse them instead."""
+    if args.mode == "autoregressive":
+        given = [flag for flag, value in (("--steps", args.steps), ("--t-min", args.t_min), ("--t-max", args.t_max),
+                                          ("--entropy-bound", args.entropy_bound)) if value is not None]
+        given += ["--sampling reference"] * (args.sampling == "reference")
+        if given:
+            raise DgemmaError(f"{given[0]} applies to diffusion decoding; --mode autoregressive samples with "
+                              "--ar-temperature (and --seed)")
+    elif args.ar_temperature is not None:
+        raise DgemmaError("--ar-temperature applies to --mode autoregressive; diffusion decoding's temperature is "
+                          "--t-min / --t-max")
 
 
 def _grammar(args: argparse.Namespace):

@@ -95,24 +95,81 @@ class Tokenizer:
             raise DgemmaError(f"chat template failed: {e}") from None
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, tools=tools), add_bos=False)
+        """The rendered chat's ids. Control tokens come from the template only: text in a message that spells one
+        (`<start_of_turn>`, `<eos>`) stays text, as OpenAI's API keeps it, so content cannot close its turn."""
+        text = self.apply_chat_template(messages, tools=tools)
+        enc = self.tok.encode_batch([text], add_special_tokens=False)[0]
+        hits = [(a, b) for t, (a, b) in zip(enc.ids, enc.offsets) if t in self._special_ids]
+        if not hits:
+            return enc.ids
+        spans = self._content_spans(text, [m.get("content") for m in messages], hits)
+        if not spans:
+            return enc.ids
+        ids, at = [], 0
+        for a, b in spans:  # the template's text with its control tokens, then the content as plain text
+            ids += self._encode_plain(text[at:a], self.tok) + self._encode_plain(text[a:b], self._text_only)
+            at = b
+        return ids + self._encode_plain(text[at:], self.tok)
+
+    def _content_spans(self, text: str, contents: list[Any], hits: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Where the messages' contents are in the rendered text (in order), for those that hold a control
+        token's text; a content the template changed so that it cannot be found, holding one: refused."""
+        spans, at = [], 0
+        for content in (c for c in contents if isinstance(c, str) and c.strip()):
+            a = text.find(content, at)
+            a, n = (a, len(content)) if a >= 0 else (text.find(content.strip(), at), len(content.strip()))
+            if a < 0:
+                if any(control in content for control in {text[x:y] for x, y in hits}):
+                    raise DgemmaError("a message holds a control token's text where the chat template changes "
+                                      "it, so it cannot be kept as text; remove it")
+                continue
+            if any(a <= x and y <= a + n for x, y in hits):
+                spans.append((a, a + n))
+            at = a + n
+        return spans
+
+    @staticmethod
+    def _encode_plain(text: str, tok) -> list[int]:
+        return tok.encode_batch([text], add_special_tokens=False)[0].ids if text else []
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
+
+    @functools.cached_property
+    def _text_only(self):
+        """A copy of the tokenizer that reads control-token text as plain text."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        tok = HFTokenizer.from_str(self.tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
 
 
 class IncrementalDecoder:
-    """Turns a growing list of ids into text deltas that never split a multi-byte character or repeat text."""
+    """Turns a growing list of ids into text deltas that never split a multi-byte character or repeat text. Each
+    push decodes a window (the ids of the previous delta as context, then the new ones), not the whole output, so
+    decoding n tokens costs O(n) however they arrive (one canvas or one token at a time)."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.text = ""
+        self.length = 0  # characters decoded so far
+        self._context = 0  # ids[_context:_read]: the window's context (decoded again for its length only)
+        self._read = 0  # ids whose text was given out
 
     def push(self, ids: list[int], final: bool = False) -> str:
         self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids)
-        if not final and text.endswith("\ufffd"):
+        decode = self.tokenizer.decode
+        window = decode(self.ids[self._context:])
+        if not final and window.endswith("\ufffd"):
             return ""  # an incomplete UTF-8 sequence: wait for the next tokens
-        delta = text[len(self.text):] if text.startswith(self.text) else ""
-        self.text = text if text.startswith(self.text) else self.text
+        before = decode(self.ids[self._context:self._read])
+        if not window.startswith(before):
+            return ""  # the new ids changed the context's text: wait until it settles
+        delta = window[len(before):]
+        self._context, self._read = self._read, len(self.ids)
+        self.length += len(delta)
         return delta
 
 

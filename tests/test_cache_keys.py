@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import dgemma.model.attention as attention
-from dgemma.model.layers import rope_cos_sin
 from dgemma.weights import load_model
 from reference import build_reference, reference_logits
 
@@ -20,14 +19,16 @@ def checkpoint(tmp_path_factory):
     return build_reference("b", d), d
 
 
-def _reference_kv(attn, raw, positions):
-    """transformers' keys and values [B, kv_heads, L, D] from k_proj outputs raw [B, L, kv_heads * D]."""
+def _reference_kv(ref, attn, raw, positions):
+    """transformers' keys and values [B, kv_heads, L, D] from k_proj outputs raw [B, L, kv_heads * D]: its own
+    k_norm, v_norm and rotary embedding (the full-attention layers' rope, built from the reference's config)."""
     d = attn.head_dim
     k_norm = modeling.DiffusionGemmaRMSNorm(d, eps=attn.k_norm.eps).to(raw.dtype)
     k_norm.weight.data.copy_(attn.k_norm.weight)
     v_norm = modeling.DiffusionGemmaRMSNorm(d, eps=attn.v_norm.eps, with_scale=False)
     raw = raw.view(*raw.shape[:2], -1, d)
-    cos, sin = (t[:, :, 0] for t in rope_cos_sin(attn.inv_freq, positions, raw.dtype))
+    rotary = modeling.DiffusionGemmaTextRotaryEmbedding(ref.config.get_text_config())
+    cos, sin = rotary(raw, positions, "full_attention")
     keys = modeling.apply_rotary_pos_emb(k_norm(raw), cos, sin, unsqueeze_dim=2)
     return keys.transpose(1, 2), v_norm(raw).transpose(1, 2)
 
@@ -61,7 +62,7 @@ def test_derived_keys_and_values_are_the_references_bit_for_bit(checkpoint, monk
     blocks = [kv for layer, kv in derived if layer is attn]
     assert len(blocks) == (1 if whole else 2)
     keys, values = (torch.cat(t, dim=2) for t in zip(*blocks))
-    want_keys, want_values = _reference_kv(attn, torch.cat(raw, dim=1), positions)
+    want_keys, want_values = _reference_kv(checkpoint[0], attn, torch.cat(raw, dim=1), positions)
     assert keys.dtype == dtype and keys.shape == want_keys.shape
     assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
     assert len(cache.stores[full[0]].data) == 1 and len(cache.stores[0].data) == 2  # one tensor full, two sliding

@@ -54,14 +54,34 @@ def test_hf_cache_snapshot_and_repo_id(ckpt, tmp_path, monkeypatch):
     (tmp_path / "hub" / "models--acme--tiny-dgemma" / "refs").mkdir()
     (tmp_path / "hub" / "models--acme--tiny-dgemma" / "refs" / "main").write_text("abc123")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import huggingface_hub.constants as c
 
     monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    attempts = _no_network(monkeypatch)
     assert resolve_checkpoint("acme/tiny-dgemma") == snap
     assert _same_weights(load_model("acme/tiny-dgemma"), load_model(snap))
     with pytest.raises(CheckpointError, match="not found in the local Hugging Face cache"):
         resolve_checkpoint("acme/absent-model")
+    assert attempts == []  # never reached for the network, even with the hub's offline switch off
+
+
+def _no_network(monkeypatch) -> list:
+    """Offline mode off, and every name lookup or connection recorded and refused (a fetch would show here)."""
+    import socket
+
+    import huggingface_hub.constants as c
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", False)
+    attempts = []
+
+    def refuse(*args, **kwargs):
+        attempts.append(args[:2])
+        raise OSError("network access in a test")
+
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    return attempts
 
 
 def test_model_type_alias_and_dtype(ckpt, tmp_path):

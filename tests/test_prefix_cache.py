@@ -101,7 +101,7 @@ def test_hits_misses_partial_matches_and_eviction(either):
     for seed in (9, 10):
         other = _ids(demo, len(long), seed)
         p.store(other, cache_of(other))
-    assert p.evictions == 1 and p.bytes <= p.budget and tuple(long) not in p.entries
+    assert p.evictions == 1 and p.bytes <= p.budget and (None, tuple(long)) not in p.entries
     assert (p.hits, p.lookups) == (1, 3)
 
 
@@ -113,7 +113,7 @@ def test_a_longer_entry_replaces_the_prefixes_it_covers(demo):
         c = m.new_cache(1, 4)
         m.prefill(torch.tensor([ids[:n]]), c)
         p.store(ids[:n], c)
-    assert list(p.entries) == [tuple(ids)] and isinstance(p.entries[tuple(ids)], KVCache)
+    assert list(p.entries) == [(None, tuple(ids))] and isinstance(p.entries[None, tuple(ids)], KVCache)
 
 
 @pytest.mark.slow

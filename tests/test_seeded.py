@@ -71,8 +71,26 @@ def test_edit_keeps_what_is_not_renoised(tiny):
     ids = tiny.tokenizer.encode(draft, add_bos=False)
     for fraction in (0.25, 1.0):
         out = tiny.generate("Hello", edit=ids, renoise=fraction, seed=4, max_denoising_steps=6)
-        kept = len(ids) - max(1, round(fraction * len(ids)))
-        assert sum(t in out.token_ids for t in ids) >= kept
+        # the documented choice: round(fraction * n) positions drawn by random.Random(seed)
+        chosen = set(random.Random(4).sample(range(len(ids)), max(1, round(fraction * len(ids)))))
+        assert out.finish_reason == "stop" and re.fullmatch(_id_pattern(ids, chosen), _id_text(out.token_ids))
+    assert out.token_ids != ids  # all renoised: nothing forced back to the draft
+
+
+def _id_text(ids):
+    return "".join(chr(0x100 + t) for t in ids)
+
+
+def _id_pattern(ids, renoised):
+    """Kept tokens exactly where they were; each renoised run a hole of at most its length (a hole ends at EOS)."""
+    out, i = "", 0
+    while i < len(ids):
+        j = i
+        while j < len(ids) and (j in renoised) == (i in renoised):
+            j += 1
+        out += f"(?s:.{{0,{j - i}}})" if i in renoised else re.escape(_id_text(ids[i:j]))
+        i = j
+    return out
 
 
 def test_infill_sees_the_suffix(tiny):

@@ -177,6 +177,19 @@ def test_autoregressive_mode_serves_the_apis_tokens(checkpoint):
         stopped = client.completions.create(**kw, stop=stop)
         cut = expected.text[:expected.text.index(stop)]
         assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == (cut, "stop")
+        # temperature, seed and n are honoured: choice i samples with seed + i at that temperature
+        hot = dict(model="tiny", prompt="Hello world", max_tokens=12, temperature=1.5, seed=7)
+        texts = [c.text for c in client.completions.create(**hot, n=3).choices]
+        model = dgemma.load(checkpoint)
+        assert texts == [model.generate("Hello world", mode="autoregressive", max_new_tokens=12, ar_temperature=1.5,
+                                        seed=7 + i).text for i in range(3)]
+        assert len(set(texts)) > 1 and expected.text not in texts
+        for extra, param in (({"top_p": 0.5}, "top_p"), ({"extra_body": {"dgemma_drafts": True}, "stream": True},
+                                                         "dgemma_drafts"),
+                             ({"extra_body": {"dgemma_sampling": {"max_denoising_steps": 3}}}, "dgemma_sampling")):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.completions.create(**kw, **extra)
+            assert e.value.body["param"] == param and e.value.body["code"] == "unsupported_parameter"
     finally:
         s.stop()
 

@@ -159,3 +159,54 @@ def test_a_request_deadline_aborts_and_frees_the_row(server):
     assert wait_until(lambda: server.service.in_use == 0 and server.service.worker.running == 0, 5)
     r = httpx.post(server.url + C, json={"prompt": "Hi", "dgemma_timeout": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "dgemma_timeout"
+
+
+def _stuck_tokenizer(server, monkeypatch):
+    """The model's tokenizer blocks every encode until the returned event is set (and counts them)."""
+    tok = server.service.model.tokenizer
+    encode, release, calls = tok.encode, threading.Event(), []
+
+    def stuck(text, *args, **kwargs):
+        calls.append(text)
+        release.wait(30)
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tok, "encode", stuck)
+    return release, calls
+
+
+def test_the_deadline_covers_preparation(server, monkeypatch):
+    """A request whose tokenizing outlasts its dgemma_timeout is answered 408 at the deadline, not after."""
+    release, calls = _stuck_tokenizer(server, monkeypatch)
+    try:
+        r = httpx.post(server.url + C, json={"prompt": "hello", "max_tokens": 1, "dgemma_timeout": 0.5}, timeout=20)
+        assert not release.is_set() and calls  # answered while its tokenizing was still stuck
+        assert r.status_code == 408 and r.json()["error"]["code"] == "deadline_exceeded"
+        assert server.service.in_use == 0
+    finally:
+        release.set()
+
+
+def test_a_client_gone_during_preparation_frees_its_place(server, monkeypatch):
+    release, calls = _stuck_tokenizer(server, monkeypatch)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            body = json.dumps({"prompt": "hello", "max_tokens": 1}).encode()
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert wait_until(lambda: server.service.in_use == 1 and calls, 10)
+        assert wait_until(lambda: server.service.in_use == 0, 5) and not release.is_set()
+    finally:
+        release.set()
+
+
+def test_a_pipelined_request_is_not_cut_by_the_header_timeout(server, monkeypatch):
+    """Two requests sent back to back on one connection; the second runs past --header-timeout (0.6 s here)
+    after the first's answer, and still gets its answer."""
+    release, calls = _stuck_tokenizer(server, monkeypatch)
+    threading.Timer(2.0, release.set).start()  # 3x the header timeout
+    body = json.dumps({"prompt": "hello", "max_tokens": 1}).encode()
+    post = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    out = _raw(server, b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n" + post, wait=10)
+    assert out.count(b"HTTP/1.1 200") == 2 and b"request_timeout" not in out, out

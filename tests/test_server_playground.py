@@ -50,10 +50,15 @@ def test_page_and_files_are_public_and_same_origin(server):
         r = httpx.get(server.url + src)
         assert r.status_code == 200 and r.headers["content-type"].split(";")[0] in ("text/javascript", "text/css")
         assert "http://" not in r.text and "https://" not in r.text  # nothing fetched from elsewhere
+        assert r.headers["content-security-policy"] == policy and r.headers["x-content-type-options"] == "nosniff"
     missing = httpx.get(server.url + "/playground/nope.js")
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
     assert httpx.get(server.url + "/v1/models").status_code == 401  # the API itself stays protected
-    assert "/" not in httpx.get(server.url + "/openapi.json").json()["paths"]
+    assert httpx.get(server.url + "/openapi.json").status_code == 401  # the schema too
+    assert "/" not in httpx.get(server.url + "/openapi.json", headers=AUTH).json()["paths"]
+    for path in ("/v1/models", "/health", "/nope"):  # every answer: no sniffing, no framing
+        r = httpx.get(server.url + path, headers=AUTH)
+        assert r.headers["x-content-type-options"] == "nosniff" and r.headers["x-frame-options"] == "DENY"
 
 
 def test_model_card_carries_the_checkpoint_defaults(server, checkpoint):

@@ -133,3 +133,15 @@ def test_bad_model_exits_2(tmp_path, capsys):
     assert any(line.startswith("error:") and "model_type" in line for line in log), log
     assert serve_main(["--model", str(tmp_path / "nope"), "--port", "0"]) == 2  # fails before binding
     assert "not found" in capsys.readouterr().err
+
+
+def test_a_non_loopback_bind_needs_allowed_hosts(capsys):
+    assert serve_main(["--host", "0.0.0.0", "--port", "0"]) == 2  # refused before loading or binding
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "--allowed-hosts" in err and len(err.strip().splitlines()) == 1
+    from dgemma.server.command import add_arguments, config_from_args
+
+    parser = __import__("argparse").ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--host", "0.0.0.0", "--allowed-hosts", "a.example,b.example", "--allowed-host", "c"])
+    assert config_from_args(args).allowed_hosts == ("a.example", "b.example", "c")

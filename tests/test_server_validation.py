@@ -94,7 +94,8 @@ BAD = [
     ("unknown role", X, {"messages": [{"role": "bot", "content": "hi"}]}, 400, "messages[0].role"),
     ("tool role without tool_call_id", X, {"messages": [{"role": "tool", "content": "hi"}]}, 400,
      "messages[0].tool_call_id"),
-    ("user content null with tool_calls", X, {"messages": [{"role": "user", "content": None, "tool_calls": [{}]}]},
+    ("user content null with tool_calls", X, {"messages": [{"role": "user", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
      400, "messages[0].content"),
     ("image part", X, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
         "url": "http://x/y.png"}}]}]}, 400, "messages[0].content"),

@@ -6,6 +6,10 @@ Entries are private copies (`KVCache.extract`), and a hit hands out another copy
 never write into each other's memory. A prefix is usable up to any length its entry still holds (`holds`):
 full-attention layers keep every slot, sliding-window rings only the newest, so a match shorter than its entry
 is usable only within the entry's last `room` slots.
+
+Entries live in partitions (a salt: the server's API key and the request's `cache_salt`): a lookup sees only
+its own partition's entries, so no client can learn from a hit (its speed, or the counters) what another
+partition's prompts were.
 """
 
 from __future__ import annotations
@@ -20,22 +24,25 @@ def common_prefix(a: tuple[int, ...], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+Key = tuple[str | None, tuple[int, ...]]  # (partition, tokens)
+
+
 class PrefixCache:
     def __init__(self, budget_bytes: int):
         self.budget = budget_bytes
-        self.entries: OrderedDict[tuple[int, ...], KVCache] = OrderedDict()  # oldest use first
+        self.entries: OrderedDict[Key, KVCache] = OrderedDict()  # oldest use first
         self.bytes = 0
         self.lookups = self.hits = self.tokens_reused = self.evictions = 0
 
-    def lookup(self, prompt: list[int]) -> tuple[KVCache | None, int]:
-        """A private copy of the cache of the longest usable cached prefix of `prompt`, and that prefix's length
-        ((None, 0) when nothing matches)."""
+    def lookup(self, prompt: list[int], partition: str | None = None) -> tuple[KVCache | None, int]:
+        """A private copy of the cache of the longest usable cached prefix of `prompt` in `partition`, and that
+        prefix's length ((None, 0) when nothing matches)."""
         self.lookups += 1
         best, best_len = None, 0
-        for tokens, cache in self.entries.items():
-            n = common_prefix(tokens, prompt)
+        for key, cache in self.entries.items():
+            n = common_prefix(key[1], prompt) if key[0] == partition else 0
             if n > best_len and cache.holds(n):
-                best, best_len = tokens, n
+                best, best_len = key, n
         if best is None:
             return None, 0
         self.entries.move_to_end(best)
@@ -43,19 +50,21 @@ class PrefixCache:
         self.tokens_reused += best_len
         return self.entries[best].extract(0, 0, best_len), best_len
 
-    def store(self, tokens: list[int], cache: KVCache) -> None:
-        """Keep a copy of `cache` (one row holding exactly `tokens`); entries it makes redundant (prefixes it can
-        stand in for) leave, then the least recently used until it fits. Larger than the budget: not kept."""
-        key = tuple(tokens)
+    def store(self, tokens: list[int], cache: KVCache, partition: str | None = None) -> None:
+        """Keep a copy of `cache` (one row holding exactly `tokens`) in `partition`; entries of that partition it
+        makes redundant (prefixes it can stand in for) leave, then the least recently used of any partition until
+        it fits. Larger than the budget: not kept."""
+        key = (partition, tuple(tokens))
         if key in self.entries:
             self.entries.move_to_end(key)
             return
-        if cache.length != len(key) or not cache.holds(len(key)):
+        if cache.length != len(tokens) or not cache.holds(len(tokens)):
             return
-        copy = cache.extract(0, 0, len(key))
+        copy = cache.extract(0, 0, len(tokens))
         if copy.nbytes > self.budget:
             return
-        for old in [k for k in self.entries if len(k) < len(key) and key[:len(k)] == k and copy.holds(len(k))]:
+        for old in [k for k in self.entries if k[0] == partition and len(k[1]) < len(tokens)
+                    and key[1][:len(k[1])] == k[1] and copy.holds(len(k[1]))]:
             self._drop(old)
         while self.bytes + copy.nbytes > self.budget:
             self._drop(next(iter(self.entries)))
@@ -63,5 +72,5 @@ class PrefixCache:
         self.entries[key] = copy
         self.bytes += copy.nbytes
 
-    def _drop(self, key: tuple[int, ...]) -> None:
+    def _drop(self, key: Key) -> None:
         self.bytes -= self.entries.pop(key).nbytes

@@ -33,13 +33,17 @@ class StreamEvent:
 class OutputStream:
     """One request's engine events in, StreamEvents out. Committed ids are detokenized incrementally; text that
     may still become a stop string is held back. When `stopped` turns True (a stop string was seen) the caller
-    aborts the engine request; later events are ignored."""
+    aborts the engine request; later events are ignored. Each event costs time linear in its own ids and text
+    (the held-back text is at most the longest stop string), never in the whole output."""
 
     def __init__(self, tokenizer: Tokenizer | None, stops: tuple[str, ...] = ()):
         self.tokenizer, self.stops = tokenizer, stops
         self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
         self.ids: list[int] = []
-        self.emitted = ""
+        self._emitted: list[str] = []  # text given out, in pieces
+        self.emitted_chars = 0
+        self._held = ""  # decoded text not given out yet: it may still begin a stop string
+        self._kept: list[int] | None = None  # kept_ids once stopped
         self.stopped = False
         self.canvases = self.steps = 0
         self.finish_reason: str | None = None
@@ -47,14 +51,20 @@ class OutputStream:
 
     @property
     def text(self) -> str | None:
-        return None if self.decoder is None else self.emitted
+        return None if self.decoder is None else "".join(self._emitted)
 
     def kept_ids(self) -> list[int]:
-        """The committed ids; after a stop string, the shortest prefix whose text covers what was emitted."""
+        """The committed ids; after a stop string, the shortest prefix whose text covers what was emitted (a
+        binary search: O(n log n) decoding, once)."""
         if not self.stopped:
             return self.ids
-        return next((self.ids[:n] for n in range(len(self.ids) + 1)
-                     if len(self.tokenizer.decode(self.ids[:n])) >= len(self.emitted)), self.ids)
+        if self._kept is None:
+            decode, lo, hi = self.tokenizer.decode, 0, len(self.ids)
+            while lo < hi:  # text length grows with the prefix (up to a few replacement characters)
+                mid = (lo + hi) // 2
+                lo, hi = (mid + 1, hi) if len(decode(self.ids[:mid])) < self.emitted_chars else (lo, mid)
+            self._kept = self.ids[:lo]
+        return self._kept
 
     def feed(self, event: Event) -> list[StreamEvent]:
         if self.finish_reason is not None:
@@ -78,16 +88,19 @@ class OutputStream:
         return ([StreamEvent("text", tail)] if tail else []) + [self._done("stop" if self.stopped else reason)]
 
     def _push(self, ids: list[int], final: bool = False) -> str:
-        """Newly committed ids -> the text now safe to show."""
+        """Newly committed ids -> the text now safe to show. A stop string not seen yet starts in the held-back
+        text (any earlier start would have held its beginning back), so only that text is searched."""
         if self.decoder is None or self.stopped:
             return ""
-        self.decoder.push(ids, final=final)
-        full = self.decoder.text
+        held = self._held + self.decoder.push(ids, final=final)
         if self.stops:
-            cut, self.stopped = truncate_at_stop_strings(full, self.stops)
-            full = cut if self.stopped or final else full[:len(full) - stop_holdback(full, self.stops)]
-        delta = full[len(self.emitted):]
-        self.emitted = full if len(full) > len(self.emitted) else self.emitted
+            cut, self.stopped = truncate_at_stop_strings(held, self.stops)
+            delta = cut if self.stopped or final else held[:len(held) - stop_holdback(held, self.stops)]
+        else:
+            delta = held
+        self._held = held[len(delta):]
+        self._emitted.append(delta)
+        self.emitted_chars += len(delta)
         return delta
 
     def _done(self, reason: str) -> StreamEvent:

@@ -57,7 +57,7 @@ class Scheduler:
             caches.update((r.id, cache.extract(i, pad, cache.length)) for i, (r, pad) in enumerate(zip(group, pads)))
         if self.prefix_cache is not None:
             for r in rows:
-                self.prefix_cache.store(r.prompt, caches[r.id])
+                self.prefix_cache.store(r.prompt, caches[r.id], r.params.cache_salt)
         if self.batch is None:
             self.batch = Batch([], [])
         self.batch.rows += rows
@@ -81,7 +81,7 @@ class Scheduler:
         return True
 
     def _from_prefix(self, r: Request) -> KVCache | None:
-        cache, n = self.prefix_cache.lookup(r.prompt)
+        cache, n = self.prefix_cache.lookup(r.prompt, r.params.cache_salt)
         if cache is not None:
             r.stats.t_start, r.stats.cached_tokens = time.perf_counter(), n
             if n < len(r.prompt):
@@ -95,4 +95,4 @@ class Scheduler:
             tokens = r.prompt + r.output
             if len(tokens) > cache.length:
                 self.model.encode(torch.tensor([tokens[cache.length:]], device=self.model.device), cache)
-            self.prefix_cache.store(tokens, cache)
+            self.prefix_cache.store(tokens, cache, r.params.cache_salt)

@@ -51,6 +51,7 @@ class SamplingParams:
     grammar: Grammar | None = None  # the output must match it (sampling/constraints.py)
     seeded: Layout | None = None  # fixed tokens and holes (sampling/seeded.py); sets max_new_tokens
     logprobs: int | None = None  # report log-probabilities with this many alternatives (sampling/logprobs.py)
+    cache_salt: str | None = None  # prefix-cache partition: only prefixes cached under the same salt are reused
 
     def __post_init__(self) -> None:
         # Normalise containers so the object stays hashable: a bare str / int means a 1-tuple.
@@ -86,6 +87,8 @@ class SamplingParams:
             if not isinstance(self.grammar, Grammar):
                 _fail("grammar must be a dgemma.Grammar (Grammar.json_schema(...), .regex(...), ...)", "grammar")
             self.grammar.check()
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            _fail(f"cache_salt={self.cache_salt!r} must be a string", "cache_salt")
         if self.logprobs is not None:
             _int_in("logprobs", self.logprobs, 0, 20)
             if self.seeded is not None:

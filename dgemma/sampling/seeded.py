@@ -35,14 +35,20 @@ class Layout:
     param: str = "template"
 
     @classmethod
-    def from_parts(cls, parts: list[list[int] | int], echo: bool = True, param: str = "template") -> Layout:
-        """parts: fixed id lists and hole lengths, in order."""
+    def from_parts(cls, parts: list[list[int] | int], echo: bool = True, param: str = "template",
+                   limit: int | None = None) -> Layout:
+        """parts: fixed id lists and hole lengths, in order. `limit`: the most positions the layout may have,
+        checked before it is built (its tuples cost memory per position)."""
+        for part in parts:
+            if isinstance(part, int) and not 1 <= part <= MAX_HOLE:
+                raise SamplingParamsError(f"a hole has {part} tokens; it must have 1 to {MAX_HOLE}", param)
+        size = sum(p if isinstance(p, int) else len(p) for p in parts)
+        if limit is not None and size > limit:
+            raise SamplingParamsError(f"the {param} has {size} tokens; at most {limit} fit in the context", param)
         tokens: list[int] = []
         holes: list[int] = []
         for k, part in enumerate(parts):
             if isinstance(part, int):
-                if not 1 <= part <= MAX_HOLE:
-                    raise SamplingParamsError(f"a hole has {part} tokens; it must have 1 to {MAX_HOLE}", param)
                 tokens += [-1] * part
                 holes += [k] * part
             else:
@@ -57,14 +63,20 @@ class Layout:
             raise SamplingParamsError("a fixed token is outside the vocabulary", self.param)
 
 
-def parse_template(text: str) -> list[str | int]:
-    """A template -> fixed strings and hole lengths, e.g. "a [[hole:3]] b" -> ["a ", 3, " b"]."""
+def parse_template(text: str, limit: int | None = None) -> list[str | int]:
+    """A template -> fixed strings and hole lengths, e.g. "a [[hole:3]] b" -> ["a ", 3, " b"]. `limit`: the most
+    tokens its holes may total; a template over it is refused at the first hole that passes it, before any
+    tokenizing or building (so its cost is bounded by the limit, not by its length)."""
     parts: list[str | int] = []
-    at = 0
+    at = total = 0
     for m in HOLE.finditer(text):
         if m.start() > at:
             parts.append(text[at:m.start()])
-        parts.append(int(m.group(1)) if m.group(1) else DEFAULT_HOLE)
+        parts.append(_hole_length(m.group(1)))
+        total += parts[-1]
+        if limit is not None and total > limit:
+            raise SamplingParamsError(f"the template's holes total more than {limit} tokens, more than fit in the "
+                                      "context", "template")
         at = m.end()
     if at < len(text):
         parts.append(text[at:])
@@ -73,16 +85,40 @@ def parse_template(text: str) -> list[str | int]:
     return parts
 
 
+def _hole_length(digits: str | None) -> int:
+    if digits is None:
+        return DEFAULT_HOLE
+    if len(digits) > len(str(MAX_HOLE)) or not 1 <= int(digits) <= MAX_HOLE:
+        shown = digits if len(digits) <= 12 else f"{digits[:12]}... ({len(digits)} digits)"
+        raise SamplingParamsError(f"a hole has {shown} tokens; it must have 1 to {MAX_HOLE}", "template")
+    return int(digits)
+
+
 def edit_parts(ids: list[int], renoised: set[int]) -> list[list[int] | int]:
-    """A draft with some positions renoised -> parts: kept runs fixed, each renoised run one hole."""
+    """A draft with some positions renoised -> parts: kept runs fixed, each renoised run one hole (linear)."""
     parts: list[list[int] | int] = []
-    for i, t in enumerate(ids):
-        hole = i in renoised
-        if parts and isinstance(parts[-1], int) == hole:
-            parts[-1] = parts[-1] + 1 if hole else parts[-1] + [t]
-        else:
-            parts.append(1 if hole else [t])
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or (i in renoised) != (start in renoised):
+            parts.append(i - start if start in renoised else ids[start:i])
+            start = i
     return parts
+
+
+def renoised_positions(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> set[int]:
+    """The tokens (by their [start, end) character offsets, in text order) that overlap any [start, end) span:
+    one sweep over the spans sorted by start, O((tokens + spans) log spans). More spans than tokens: refused."""
+    if len(spans) > max(1, len(offsets)):
+        raise SamplingParamsError(f"{len(spans)} renoise spans for a draft of {len(offsets)} tokens", "renoise")
+    spans = sorted(spans)
+    chosen, reach, k = set(), -1, 0
+    for i, (a, b) in sorted(enumerate(offsets), key=lambda item: item[1][1]):
+        while k < len(spans) and spans[k][0] < b:  # spans starting before this token ends
+            reach = max(reach, spans[k][1])
+            k += 1
+        if reach > a:
+            chosen.add(i)
+    return chosen
 
 
 class SeedState:

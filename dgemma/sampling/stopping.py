@@ -102,6 +102,15 @@ def truncate_at_stop_strings(text: str, stops: Sequence[str]) -> tuple[str, bool
 
 def stop_holdback(text: str, stops: Sequence[str]) -> int:
     """How many trailing characters a streamer must hold back: the longest suffix of `text` that is a
-    proper prefix of some stop string (it may still become a stop)."""
-    return max((k for s in stops for k in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:k])),
-               default=0)
+    proper prefix of some stop string (it may still become a stop). Looks at the last len(stop) - 1
+    characters only, so the cost does not grow with `text`."""
+    best = 0
+    for s in stops:
+        tail = text[len(text) - min(len(s) - 1, len(text)):]
+        i = tail.find(s[:1]) if s else -1
+        while i >= 0 and len(tail) - i > best:  # the first start that fits is the longest suffix
+            if s.startswith(tail[i:]):
+                best = len(tail) - i
+                break
+            i = tail.find(s[0], i + 1)
+    return best

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.routing import APIRoute
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -62,13 +62,19 @@ def create_app(config: ServerConfig, loader: Callable[[], Model],
         finally:
             await asyncio.to_thread(service.close)
 
-    app = FastAPI(title="dgemma", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="dgemma", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)  # served below, behind the key like /v1/*
     app.state.service = service
     errors.install(app)
     security.install(app, config)
     keys = security.ApiKeys(config.api_keys)
-    api = APIRouter(dependencies=[Depends(keys.dependency())] if keys else [], route_class=OffLoopJson)
+    api = APIRouter(route_class=_guarded(keys))
     _routes(api, service)
+
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(_openapi(app))
+
     app.include_router(api)
     playground.install(app)
 
@@ -79,27 +85,36 @@ def create_app(config: ServerConfig, loader: Callable[[], Model],
             return error.response()
         return {"status": "ok"}
 
-    app.openapi = lambda: _openapi(app)
     return app
 
 
-class OffLoopJson(APIRoute):
-    """Parses large JSON bodies in a worker thread (FastAPI would parse them on the event loop, where a 4 MB body
-    costs tens of milliseconds of every other client's time); FastAPI then finds the parsed body cached."""
+class GuardedRoute(APIRoute):
+    """Checks the API key first (before the body is even read: `keys`, set on the subclass `_guarded` makes, and
+    it records which key in `request.state.key` for the prefix cache's partitions), then parses the JSON body
+    with a nesting cap (security.parse_json), in a worker thread when it is large (FastAPI would parse it on the
+    event loop, where a 4 MB body costs tens of milliseconds of every other client's time); FastAPI then finds
+    the parsed body cached."""
+
+    keys: security.ApiKeys
 
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()
 
         async def route(request: Request) -> Response:
-            body = await request.body()
-            if len(body) > LARGE_BODY:
-                try:
-                    request._json = await asyncio.to_thread(json.loads, body)
-                except ValueError:
-                    pass  # FastAPI parses it again and reports the error
+            request.state.key = self.keys.check(request) if self.keys else None
+            if request.method == "POST":
+                body = await request.body()
+                parsed = await asyncio.to_thread(security.parse_json, body) if len(body) > LARGE_BODY else \
+                    security.parse_json(body)
+                if parsed is not None:
+                    request._json = parsed  # else FastAPI parses it again and reports the error
             return await handler(request)
 
         return route
+
+
+def _guarded(keys: security.ApiKeys) -> type[GuardedRoute]:
+    return type("KeyedRoute", (GuardedRoute,), {"keys": keys})
 
 
 def _routes(api: APIRouter, service: Service) -> None:
@@ -124,8 +139,7 @@ def _routes(api: APIRouter, service: Service) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Any:
         prompt = body.prompt  # a text or an id list is one prompt ([] too: refused as empty with the others)
         prompts = [prompt] if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else list(prompt)
-        generation = await service.generate(body, prompts, "prompt", "cmpl")
-        return await _respond(generation, body, request, chat=False)
+        return await _respond(service, body, prompts, "prompt", request, chat=False)
 
     @api.post("/v1/chat/completions", response_model=None,
               responses=_responses(ChatCompletionResponse, 400, 401, 404, 408, 413, 429, 503, stream=True))
@@ -135,8 +149,7 @@ def _routes(api: APIRouter, service: Service) -> None:
             messages = body.chat()
         except SamplingParamsError as e:
             raise errors.bad_request(str(e), e.param) from None
-        generation = await service.generate(body, [messages], "messages", "chatcmpl")
-        return await _respond(generation, body, request, chat=True)
+        return await _respond(service, body, [messages], "messages", request, chat=True)
 
     _metrics_route(api, service)
 
@@ -166,7 +179,17 @@ def _metrics_route(api: APIRouter, service: Service) -> None:
         return PlainTextResponse(service.metrics.render(gauges, counters), media_type="text/plain; version=0.0.4")
 
 
-async def _respond(gen: Generation, body: Any, request: Request, chat: bool) -> Response:
+async def _respond(service: Service, body: Any, prompts: list[Any], param: str, request: Request,
+                   chat: bool) -> Response:
+    """Prepare the request (given up as soon as the client disconnects), then answer it."""
+    prefix = "chatcmpl" if chat else "cmpl"
+    gen = await _unless_disconnected(request, service.generate(body, prompts, param, prefix, request.state.key))
+    if gen is None:
+        return Response(status_code=499)  # the client is gone; its lease went back with the cancelled work
+    return await _answer(gen, body, request, chat)
+
+
+async def _answer(gen: Generation, body: Any, request: Request, chat: bool) -> Response:
     ignored = {"X-Dgemma-Ignored-Fields": ", ".join(body.ignored_fields())} if body.ignored_fields() else {}
     if body.stream:
         return await _stream(gen, body, request, chat, ignored)

@@ -24,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     add_mode_option(p)
     p.add_argument("--served-model-name", help="model id clients send (default: the directory's name)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all, "
+                   "with --allowed-hosts)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port, printed at start)")
     p.add_argument("--api-key", action="append", default=[], help=f"accepted bearer key (repeatable; also "
                    f"${KEY_ENV}). Without keys the API is open")
@@ -47,8 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_time_arguments(p)
     p.add_argument("--cors-origin", action="append", default=[], help="allow browser calls from this origin "
                    "(repeatable; default: CORS off)")
-    p.add_argument("--allowed-host", action="append", default=[], help="Host header to accept besides the "
-                   "loopback names (repeatable; on a loopback bind others are refused)")
+    p.add_argument("--allowed-hosts", "--allowed-host", action="append", default=[], metavar="NAME[,NAME]",
+                   help="Host headers to accept besides the loopback names (repeatable; others are refused). "
+                   "Required with a non-loopback --host; '*' accepts any")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-access-log", action="store_true", help="do not log each request")
 
@@ -79,11 +81,16 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_concurrency=args.max_concurrency, max_queue=args.max_queue, max_prompt_tokens=args.max_prompt_tokens,
         max_tokens=args.max_tokens, max_n=args.max_n, max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
         max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
-        cors_origins=tuple(args.cors_origin), allowed_hosts=tuple(args.allowed_host), mode=args.mode,
+        cors_origins=tuple(args.cors_origin), allowed_hosts=_names(args.allowed_hosts), mode=args.mode,
         tokenizer_threads=args.tokenizer_threads, max_queue_seconds=args.max_queue_seconds,
         request_timeout=args.request_timeout, header_timeout=args.header_timeout, body_timeout=args.body_timeout,
         keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
         max_cache_mb=args.max_cache_mb, prefix_cache_mb=args.prefix_cache_mb)
+
+
+def _names(values: list[str]) -> tuple[str, ...]:
+    """Repeated and comma-separated values -> one tuple: ["a,b", "c"] -> ("a", "b", "c")."""
+    return tuple(name.strip() for value in values for name in value.split(",") if name.strip())
 
 
 def run(args: argparse.Namespace) -> int:

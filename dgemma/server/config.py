@@ -27,7 +27,7 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20
     shutdown_timeout: float = 30.0  # after SIGTERM, in-flight requests get this long before they are aborted
     cors_origins: tuple[str, ...] = ()  # empty: no CORS headers at all
-    allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides the loopback names (loopback binds only)
+    allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides the loopback names; "*": any Host
     mode: str = "diffusion"  # or "autoregressive": the encoder as a next-token model
     tokenizer_threads: int = 2  # prompts tokenized / templated at once, off the event loop
     max_queue_seconds: float | None = None  # admitted requests not in the batch after this long: 503
@@ -61,6 +61,9 @@ class ServerConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
         if any(not k for k in self.api_keys):
             raise ConfigError("--api-key must not be empty")
+        if not self.loopback and not self.allowed_hosts:
+            raise ConfigError(f"--host {self.host} is not a loopback address: name the Host headers clients will "
+                              "send with --allowed-hosts NAME[,NAME] (or --allowed-hosts '*' to accept any)")
         if self.mode not in MODES:
             raise ConfigError(f"--mode {self.mode!r} must be one of {', '.join(MODES)}")
 

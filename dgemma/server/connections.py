@@ -37,21 +37,27 @@ class GuardedH11Protocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
+        self._follow()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # arms uvicorn's keep-alive timer; may start a pipelined request
+        self._follow(after_response=True)
+
+    def _follow(self, after_response: bool = False) -> None:
+        """The deadline of what the client owes now: a header (IDLE), a body (SEND_BODY), or nothing (the request
+        is in: the app has it, however long it runs, pipelined or not)."""
         if self.transport.is_closing():
             return
         state = self.conn.their_state
-        if state is h11.SEND_BODY and self._phase != "body":
+        if state is h11.IDLE and after_response:
+            self._phase = "header"  # a connection that trickles bytes goes at the header deadline
+            self._arm(self.limits.header_timeout)
+        elif state is h11.SEND_BODY and self._phase != "body":
             self._phase = "body"
             self._arm(self.limits.body_timeout)
         elif state not in (h11.IDLE, h11.SEND_BODY):
-            self._phase = "busy"  # the whole request is in: the app has it, no read deadline
+            self._phase = "busy"
             self._disarm()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()  # arms uvicorn's keep-alive timer: a silent connection goes at that
-        if not self.transport.is_closing():
-            self._phase = "header"  # a connection that trickles bytes goes at the header deadline
-            self._arm(self.limits.header_timeout)
 
     def send_400_response(self, msg: str) -> None:
         self._refuse(400, "the request is not valid HTTP/1.1", "invalid_http")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi import FastAPI
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 STATIC = Path(__file__).parent / "static"
@@ -16,8 +16,17 @@ POLICY = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'sel
 HEADERS = {"Content-Security-Policy": POLICY, "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
 
 
+class _Files(StaticFiles):
+    """The page's scripts and styles, with the page's headers (its policy covers what they do)."""
+
+    def file_response(self, *args, **kwargs) -> Response:
+        response = super().file_response(*args, **kwargs)
+        response.headers.update(HEADERS)
+        return response
+
+
 def install(app: FastAPI) -> None:
-    app.mount("/playground", StaticFiles(directory=STATIC), name="playground")
+    app.mount("/playground", _Files(directory=STATIC), name="playground")
 
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def page() -> FileResponse:

@@ -100,6 +100,9 @@ class OpenAIRequest(_Strict):
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="only 0 is supported")
     logit_bias: dict[str, float] | None = Field(None, description="only an empty map is supported")
     user: Text | None = None
+    cache_salt: Text | None = Field(None, max_length=256, description=(
+        "prefix-cache partition (as vLLM's): a request reuses only prompts cached with the same salt (and the same "
+        "API key)"))
     dgemma_timeout: float | None = Field(None, gt=0, description=(
         "dgemma extension: seconds from arrival after which the request is aborted (408, or an error chunk when "
         "streaming) and its batch row freed; capped by the server's --request-timeout"))
@@ -192,9 +195,20 @@ class TextPart(_Strict):
 Content = Annotated[Text | list[TextPart], _one_of("must be a string or a list of text parts")]
 
 
+class CalledFunction(_Strict):
+    name: Text
+    arguments: Text | dict[str, Any] = Field("{}", description="the arguments as JSON text (or an object)")
+
+
+class ToolCall(_Strict):
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    tool_calls: list[dict[str, Any]] | None = Field(None, description="an assistant message's earlier calls")
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant message's earlier calls")
     content: Content | None = Field(None, validate_default=True, description="null only with tool_calls")
     name: Text | None = None
     tool_call_id: Text | None = Field(None, validate_default=True, description="a tool message: the call it answers")
@@ -277,7 +291,8 @@ class ChatCompletionRequest(OpenAIRequest):
     def chat(self) -> list[dict[str, str]]:
         """Messages for the chat template ("developer" is the newer name of "system"); with tools: ToolUse.messages."""
         plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-                  "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id} for m in self.messages]
+                  "tool_calls": [c.model_dump() for c in m.tool_calls or ()] or None, "tool_call_id": m.tool_call_id}
+                 for m in self.messages]
         return self.tool_use().messages(plain)
 
 

@@ -1,4 +1,5 @@
-"""API keys (constant-time, enforced as a dependency of every protected route, never by looking at the URL),
+"""API keys (constant-time, checked by every protected route before it reads the body, never by looking at the URL),
+JSON bodies parsed with a nesting cap,
 refusal of foreign Host headers on loopback binds (DNS rebinding), header and body size caps, opt-in CORS, and
 query strings kept out of the access log (a client may put a key there)."""
 
@@ -6,8 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
 import re
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -18,6 +21,7 @@ from dgemma.server.config import ServerConfig, is_loopback
 from dgemma.server.errors import ApiError, json_error
 
 MAX_HEADER_BYTES = 32 << 10
+MAX_JSON_DEPTH = 64  # nesting levels of a request body (a tool's JSON schema needs a few dozen at most)
 
 
 class ApiKeys:
@@ -30,27 +34,52 @@ class ApiKeys:
     def __bool__(self) -> bool:
         return bool(self._digests)
 
-    def matches(self, token: bytes) -> bool:
-        digest = hashlib.sha256(token).digest()
-        ok = False
-        for ref in self._digests:
-            ok |= hmac.compare_digest(digest, ref)
-        return ok
+    def check(self, request: Request) -> int:
+        """Which key the request carries (its position among the keys); 401 when none."""
+        found = None
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        digest = hashlib.sha256(token.strip().encode("latin-1")).digest()
+        for i, ref in enumerate(self._digests):  # every key, whatever matched
+            if hmac.compare_digest(digest, ref):
+                found = i
+        if scheme.lower() != "bearer" or found is None:
+            raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return found
 
-    def dependency(self):
-        async def require_api_key(request: Request) -> None:
-            header = request.headers.get("authorization", "")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not self.matches(token.strip().encode("latin-1")):
-                raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
-                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-        return require_api_key
+def parse_json(raw: bytes) -> Any:
+    """A request body -> its JSON value; a value nested over MAX_JSON_DEPTH levels is a 400 (before it reaches the
+    schema, templates or grammars, whose recursion would fail as a 500). Not JSON: None (FastAPI reports it)."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        value = None
+        deep = True
+    except ValueError:
+        return None
+    else:
+        deep = _too_deep(value)
+    if deep:
+        raise ApiError(400, f"the body nests JSON deeper than {MAX_JSON_DEPTH} levels", code="invalid_body")
+    return value
+
+
+def _too_deep(value: Any) -> bool:
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            return True
+        children = v.values() if isinstance(v, dict) else v
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
 
 
 class HostGuard:
-    """On a loopback bind (or with --allowed-host), answer 400 to requests whose Host is neither a loopback name
-    nor an allowed host: a web page whose domain was rebound to 127.0.0.1 still sends its own domain as Host."""
+    """Answer 400 to requests whose Host is neither a loopback name nor an allowed host (--allowed-hosts, which a
+    non-loopback bind must give): a web page whose domain was rebound to this server's address still sends its own
+    domain as Host."""
 
     def __init__(self, app: ASGIApp, allowed: tuple[str, ...]):
         self.app, self.allowed = app, {h.lower().rstrip(".") for h in allowed}
@@ -110,14 +139,38 @@ class Cors(CORSMiddleware):
         return ApiError(400, message, code="cors_refused", headers=headers).response()
 
 
+class SecurityHeaders:
+    """Headers every response carries, errors from the other middleware included: no MIME sniffing, no framing
+    (clickjacking), no referrer sent on."""
+
+    HEADERS = [(b"x-content-type-options", b"nosniff"), (b"x-frame-options", b"DENY"),
+               (b"referrer-policy", b"no-referrer")]
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                present = {k.lower() for k, _ in message.get("headers", [])}
+                message["headers"] = [*message.get("headers", []), *(h for h in self.HEADERS if h[0] not in present)]
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
 def install(app: FastAPI, config: ServerConfig) -> None:
-    """Middleware, innermost first: CORS (only when origins are configured), size caps, Host check."""
+    """Middleware, innermost first: CORS (only when origins are configured), size caps, Host check, headers."""
     if config.cors_origins:
         app.add_middleware(Cors, allow_origins=list(config.cors_origins), allow_credentials=False,
                            allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"])
     app.add_middleware(SizeLimits, max_bytes=config.max_body_bytes)
-    if config.loopback or config.allowed_hosts:
+    if "*" not in config.allowed_hosts:
         app.add_middleware(HostGuard, allowed=config.allowed_hosts)
+    app.add_middleware(SecurityHeaders)
 
 
 def _hostname(host: str) -> str:

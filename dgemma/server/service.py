@@ -6,6 +6,7 @@ API does) and records its latencies."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -132,8 +133,10 @@ class Service:
                            "model", "model_not_found")
 
     # ---- requests -------------------------------------------------------------------------------------------
-    async def generate(self, body: OpenAIRequest, prompts: list[Any], param: str, id_prefix: str) -> Generation:
-        """Check `body` (cheap checks first), admit its choices or refuse at once, then encode and submit."""
+    async def generate(self, body: OpenAIRequest, prompts: list[Any], param: str, id_prefix: str,
+                       key: int | None = None) -> Generation:
+        """Check `body` (cheap checks first), admit its choices or refuse at once, then encode and submit. `key`:
+        which API key the client sent; it and `cache_salt` pick the request's prefix-cache partition."""
         t_arrival = time.perf_counter()
         if error := self.unavailable():
             raise error
@@ -144,6 +147,8 @@ class Service:
             raise bad_request("stream_options needs stream=true", "stream_options")
         if body.dgemma_drafts and not body.stream:
             raise bad_request("dgemma_drafts needs stream=true", "dgemma_drafts")
+        if self.config.mode == "autoregressive" and (feature := _diffusion_only(body)) is not None:
+            raise unsupported(feature, f"{feature} in autoregressive mode (--mode autoregressive)")
         if body.temperature is not None and {"t_min", "t_max"} & _overrides(body).keys():
             raise bad_request("temperature and dgemma_sampling.t_min / t_max both set the schedule; send one",
                               "dgemma_sampling")
@@ -153,12 +158,36 @@ class Service:
                               "per request", "n")
         lease = self._admit(choices)
         try:
-            plans, prompt_tokens = await self._plan(body, prompts, param)
+            plans, prompt_tokens = await self._within(_earliest(body.dgemma_timeout, self.config.request_timeout),
+                                                      t_arrival, self._plan(body, prompts, param, key))
             return Generation(self, f"{id_prefix}-{uuid.uuid4().hex}", plans, prompt_tokens, body.dgemma_drafts,
                               lease, t_arrival, body.dgemma_timeout)
         except BaseException:
             lease.release()
             raise
+
+    @staticmethod
+    async def _within(timeout: float | None, t_arrival: float, work: Any) -> Any:
+        """Await the preparation `work` within the request's deadline (408 when it passes first)."""
+        if timeout is None:
+            return await work
+        try:
+            return await asyncio.wait_for(work, max(0.0, t_arrival + timeout - time.perf_counter()))
+        except TimeoutError:
+            raise ApiError(408, f"the request's deadline ({timeout:g} s) passed while its prompt was prepared",
+                           "dgemma_timeout", code="deadline_exceeded") from None
+
+    async def _off_loop(self, fn: Callable, *args: Any) -> Any:
+        """`fn(*args)` in a worker thread, at most --tokenizer-threads at once. A cancelled caller (client gone,
+        deadline passed) stops waiting at once; its thread keeps its place until it ends, so the cap holds."""
+        await self._tokenizing.acquire()
+        try:
+            future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        except BaseException:
+            self._tokenizing.release()
+            raise
+        future.add_done_callback(lambda _: self._tokenizing.release())
+        return await asyncio.shield(future)
 
     def _admit(self, choices: int) -> Lease:
         if self.in_use + choices > self.config.capacity:
@@ -169,7 +198,8 @@ class Service:
         self.in_use += choices
         return Lease(self, choices)
 
-    async def _plan(self, body: OpenAIRequest, prompts: list[Any], param: str) -> tuple[list[Plan], int]:
+    async def _plan(self, body: OpenAIRequest, prompts: list[Any], param: str,
+                    key: int | None) -> tuple[list[Plan], int]:
         """One Plan per choice; every check is SamplingParams' (through `Model.check_request`)."""
         plans, prompt_tokens = [], 0
         tokens_param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
@@ -178,9 +208,9 @@ class Service:
         limit = self.model.prompt_limit(self.config.limits)
         for prompt in prompts:
             try:
-                async with self._tokenizing:  # a bounded number of worker threads; the loop never tokenizes
-                    ids = await asyncio.to_thread(self.model.encode_prompt, prompt, limit, body.template_tools())
-                    params = await asyncio.to_thread(self._choice_params, body, ids)  # may compile a grammar
+                # the loop never tokenizes (nor compiles a grammar, nor builds a seeded layout)
+                ids = await self._off_loop(self.model.encode_prompt, prompt, limit, body.template_tools())
+                params = await self._off_loop(self._choice_params, body, ids, _partition(key, body.cache_salt))
                 plans += [Plan(ids, p) for p in params]
             except SamplingParamsError as e:  # max_new_tokens is named as the client named it
                 message = str(e).replace("max_new_tokens", tokens_param)
@@ -190,7 +220,7 @@ class Service:
             prompt_tokens += len(ids)
         return plans, prompt_tokens
 
-    def _choice_params(self, body: OpenAIRequest, ids: list[int]) -> list[SamplingParams]:
+    def _choice_params(self, body: OpenAIRequest, ids: list[int], partition: str | None) -> list[SamplingParams]:
         """The n choices of a prompt: choice i has seed + i. The starting canvas and the renoising are random
         even when sampling is near-greedy, so temperature 0 without a seed uses seed 0 (reproducible)."""
         model = self.model
@@ -199,8 +229,10 @@ class Service:
         new = requested or min(model.defaults.max_new_tokens, room, self.config.max_tokens or room)
         greedy = body.temperature is not None and body.temperature < GREEDY_T
         base = 0 if body.seed is None and greedy else body.seed
+        sampling = schedule(body.temperature) if self.config.mode == "diffusion" else \
+            {"ar_temperature": body.temperature} if body.temperature is not None else {}
         first = model.params(max_new_tokens=new, seed=base, stop=_stops(body.stop), grammar=body.grammar(),
-                             logprobs=body.logprob_count(), **schedule(body.temperature), **_overrides(body),
+                             logprobs=body.logprob_count(), **sampling, **_overrides(body), cache_salt=partition,
                              **body.seeded())
         model.check_request(ids, first, self.config.limits, self.config.mode)
         if base is None:
@@ -222,6 +254,22 @@ def _overrides(body: OpenAIRequest) -> dict[str, Any]:
     `schedule` gives `temperature` (sampling is greedy there; 1 / T stays finite). Negative ones stay refused."""
     out, floor = body.dgemma_sampling.overrides() if body.dgemma_sampling is not None else {}, GREEDY_T / 2
     return out | {k: floor for k, v in out.items() if k in ("t_min", "t_max") and 0 <= v < floor}
+
+
+def _diffusion_only(body: OpenAIRequest) -> str | None:
+    """The first field set that autoregressive decoding cannot honour: a nucleus cut (top_p < 1; neither mode has
+    one, but diffusion documents it as accepted), the denoising options, drafts."""
+    if body.top_p is not None and body.top_p < 1:
+        return "top_p"
+    if body.dgemma_sampling is not None and body.dgemma_sampling.overrides():
+        return "dgemma_sampling"
+    return "dgemma_drafts" if body.dgemma_drafts else None
+
+
+def _partition(key: int | None, salt: str | None) -> str | None:
+    """The prefix-cache partition of a request: its API key's position and its cache_salt (None: the shared one,
+    for a server without keys and a request without a salt)."""
+    return None if key is None and salt is None else json.dumps([key, salt])
 
 
 def _earliest(*timeouts: float | None) -> float | None:
@@ -270,6 +318,7 @@ class Generation:
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         sink = Sink(asyncio.get_running_loop(), self.queue)
         self.choices: dict[str, _Choice] = {}
+        self._feeding = threading.Lock()  # one event at a time into the choices' OutputStreams
         self.timeout = _earliest(timeout, service.config.request_timeout)
         deadlines = [t_arrival + t if t is not None else None for t in (service.config.max_queue_seconds,
                                                                            self.timeout)]
@@ -300,7 +349,10 @@ class Generation:
             if event.kind == "start":
                 yield Output("start", choice.index)
                 continue
-            for out in self._on_event(choice, event):
+            # committed text and finishes are detokenized (and a stop's kept ids found) off the event loop
+            outs = self._on_event(choice, event) if event.kind == "draft" else \
+                await asyncio.to_thread(self._on_event, choice, event)
+            for out in outs:
                 open_choices -= out.kind in ("finish", "error")
                 yield out
 
@@ -323,17 +375,19 @@ class Generation:
         return [("".join(t), r, e, i) for t, r, e, i in zip(texts, reasons, entries, ids)]
 
     def close(self) -> None:
-        unfinished = [c for c in self.choices.values() if c.finish_reason is None]
-        for c in unfinished:
-            c.output.feed(Event(c.request_id, "finish", finish_reason="abort"))
-            self._record(c)
+        with self._feeding:  # a choice's event may still be in a worker thread
+            unfinished = [c for c in self.choices.values() if c.finish_reason is None]
+            for c in unfinished:
+                c.output.feed(Event(c.request_id, "finish", finish_reason="abort"))
+                self._record(c)
         if unfinished:
             self.service.worker.abort([c.request_id for c in unfinished])
         self.lease.release()
 
     # ---- events -> outputs ------------------------------------------------------------------------------------
     def _on_event(self, c: _Choice, event: Event) -> list[Output]:
-        return [out for item in c.output.feed(event) if (out := self._output(c, item)) is not None]
+        with self._feeding:
+            return [out for item in c.output.feed(event) if (out := self._output(c, item)) is not None]
 
     def _output(self, c: _Choice, item: StreamEvent) -> Output | None:
         if item.kind == "draft":
