@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from dgemma import images
 from dgemma.cache import KVCache
 from dgemma.dtypes import native_bf16, parse_dtype
 from dgemma.engine import (AutoregressiveEngine, Engine, OutputStream, PrefixCache, ReferenceRunner, Request,
@@ -126,6 +127,7 @@ class Model:
             self.defaults = self.defaults.replace(eos_token_ids=text.eos_token_id)
         self.pad_id = text.pad_token_id
         self.max_context = text.max_position_embeddings
+        self.image_limits = images.ImageLimits()  # per-request caps on image inputs (the server sets its own)
 
     # ---- inputs -----------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, max_tokens: int | None = None,
@@ -140,6 +142,8 @@ class Model:
             self._check_length(prompt, max_tokens)
         if isinstance(prompt, str):
             ids = self._require_tokenizer().encode(prompt)
+        elif images.has_parts(prompt):  # checks its text ids itself: image soft tokens lie past the vocabulary
+            return images.prompt_ids(self, list(prompt), tools, self.image_limits)
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
             ids = self._require_tokenizer().encode_chat(list(prompt), tools)
         elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -171,8 +175,8 @@ class Model:
         if bad:
             raise SamplingParamsError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "prompt")
         if self.module.cfg.image_token_id in ids:
-            raise SamplingParamsError("image inputs are not supported yet (the prompt contains the image token)",
-                                      "prompt")
+            raise SamplingParamsError(f"the prompt's ids contain the image token ({self.module.cfg.image_token_id}): "
+                                      "send images as image parts of chat messages", "prompt")
         return ids
 
     def _require_tokenizer(self) -> Tokenizer:
@@ -348,6 +352,8 @@ def _chars(value: Any) -> int:
     """Characters in every string of a text or of nested chat messages (keys excluded)."""
     if isinstance(value, str):
         return len(value)
+    if isinstance(value, dict) and value.get("type") in ("image", "image_url"):
+        return 0  # an image's length is its soft tokens, counted once they are known
     if isinstance(value, dict):
         return sum(_chars(v) for v in value.values())
     if isinstance(value, (list, tuple)):

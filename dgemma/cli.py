@@ -8,6 +8,7 @@ import logging
 import sys
 
 from dgemma.errors import DgemmaError
+from dgemma.image_limits import add_image_options, limits_from_args
 from dgemma.options import SAMPLINGS, add_mode_option, add_model_options
 
 
@@ -35,9 +36,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise DgemmaError("give a PROMPT or --prompt-ids, not both and not neither")
     _check_mode_options(args)
     prompt = args.prompt if args.prompt_ids is None else _parse_ids(args.prompt_ids)
-    if args.chat and isinstance(prompt, str):
+    if args.image and not isinstance(prompt, str):
+        raise DgemmaError("--image goes with a PROMPT text, not --prompt-ids")
+    if args.image:  # one user turn: the images, then the text
+        prompt = [{"role": "user", "content": [*({"type": "image", "image": f} for f in args.image),
+                                               {"type": "text", "text": prompt}]}]
+    elif args.chat and isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
+    limits = limits_from_args(args)
     model = load_model_from_args(args)
+    model.image_limits = limits
     options = {"max_new_tokens": args.max_new_tokens, "max_denoising_steps": args.steps, "t_min": args.t_min,
                "t_max": args.t_max, "entropy_bound": args.entropy_bound, "seed": args.seed,
                "stop": tuple(args.stop) or None, "ar_temperature": args.ar_temperature,
@@ -95,6 +103,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 2,651,1024")
     add_model_options(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat template")
+    p.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image the prompt is about (repeatable; implies --chat; needs Pillow and a checkpoint with "
+                        "a vision tower; the caps below apply)")
+    add_image_options(p)
     p.add_argument("--max-new-tokens", type=int, help="exact number of tokens at most (default: checkpoint's)")
     p.add_argument("--steps", type=int, help="maximum denoising steps per canvas")
     p.add_argument("--t-min", type=float, help="final temperature of the linear schedule")

@@ -102,10 +102,48 @@ class TextConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """Gemma 4's vision tower (`vision_config`, model_type gemma4_vision): patches of `patch_size` pixels, a
+    bidirectional encoder with 2D RoPE, average pooling of `pooling_kernel_size`^2 patches into one soft token."""
+
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 16
+    num_attention_heads: int = 12
+    num_key_value_heads: int = 12
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 100.0
+    patch_size: int = 16
+    pooling_kernel_size: int = 3
+    position_embedding_size: int = 10 * 1024
+    use_clipped_linears: bool = False
+    standardize: bool = False
+    hidden_activation: str = "gelu_pytorch_tanh"
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "patch_size", "pooling_kernel_size",
+                     "position_embedding_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"vision_config value {name}={value!r} must be a positive integer")
+        if self.num_attention_heads % self.num_key_value_heads or self.head_dim % 4:
+            raise ConfigError("vision_config: heads must be a multiple of kv heads and head_dim of 4 (2D RoPE)")
+        if self.hidden_activation not in ("gelu_pytorch_tanh", "gelu"):
+            raise ConfigError(f"unsupported vision hidden_activation {self.hidden_activation!r}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     text: TextConfig
     canvas_length: int = 256
     image_token_id: int = 258_880
+    vision: VisionConfig | None = None  # None: the checkpoint has no vision tower (text prompts only)
+    boi_token_id: int | None = 255_999  # wrap each image's soft tokens (None: not wrapped)
+    eoi_token_id: int | None = 258_882
+    # text_config.use_bidirectional_attention == "vision": the soft tokens of one image see each other
+    bidirectional_vision: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.canvas_length, int) or not 0 < self.canvas_length <= 65_536:
@@ -124,6 +162,10 @@ class ModelConfig:
             text=_text_from_hf(text),
             canvas_length=hf.get("canvas_length", 256),
             image_token_id=hf.get("image_token_id", 258_880),
+            vision=_vision_from_hf(hf.get("vision_config")),
+            boi_token_id=hf.get("boi_token_id", 255_999),
+            eoi_token_id=hf.get("eoi_token_id", 258_882),
+            bidirectional_vision=text.get("use_bidirectional_attention") == "vision",
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -134,11 +176,10 @@ class ModelConfig:
             "model_type": "diffusion_gemma",
             "canvas_length": self.canvas_length,
             "image_token_id": self.image_token_id,
+            "boi_token_id": self.boi_token_id,
+            "eoi_token_id": self.eoi_token_id,
             "tie_word_embeddings": True,
-            # dgemma has no vision tower; a minimal one keeps the reference from building a full-size one
-            "vision_config": {"model_type": "gemma4_vision", "hidden_size": 8, "intermediate_size": 8,
-                              "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
-                              "head_dim": 8},
+            "vision_config": _vision_to_hf(self.vision),
             "text_config": {
                 "model_type": "diffusion_gemma_text",
                 "vocab_size": t.vocab_size, "hidden_size": t.hidden_size,
@@ -153,8 +194,33 @@ class ModelConfig:
                 "rope_parameters": {SLIDING: _rope_to_hf(t.rope_sliding), FULL: _rope_to_hf(t.rope_full)},
                 "pad_token_id": t.pad_token_id, "eos_token_id": list(t.eos_token_id),
                 "bos_token_id": t.bos_token_id, "tie_word_embeddings": True,
+                "use_bidirectional_attention": "vision" if self.bidirectional_vision else None,
             },
         }
+
+
+def _vision_to_hf(v: VisionConfig | None) -> dict[str, Any]:
+    """Without a tower, a minimal one keeps the reference from building a full-size one (its weights unsaved)."""
+    if v is None:
+        return {"model_type": "gemma4_vision", "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+                "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 8}
+    out: dict[str, Any] = {k: getattr(v, k) for k in VisionConfig.__dataclass_fields__ if k != "rope_theta"}
+    return {"model_type": "gemma4_vision", **out,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta}}
+
+
+def _vision_from_hf(v: dict[str, Any] | None) -> VisionConfig | None:
+    if not v:
+        return None
+    rope = v.get("rope_parameters") or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise ConfigError(f"unsupported vision rope_type {rope.get('rope_type')!r} (Gemma 4 uses axial)")
+    kwargs = {k: v[k] for k in VisionConfig.__dataclass_fields__ if k in v and v[k] is not None}
+    kwargs["rope_theta"] = float(rope.get("rope_theta", VisionConfig.rope_theta))
+    try:
+        return VisionConfig(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"bad vision_config: {e}") from None
 
 
 def _rope_to_hf(r: RopeConfig) -> dict[str, Any]:

@@ -167,15 +167,20 @@ def test_errors(ckpt, tmp_path, case, error, message):
         load_model(d)
 
 
-def test_vision_weights_are_ignored(ckpt):
-    """The checkpoint's vision tower is skipped: no vision parameter in the model, every text weight loaded."""
+def test_vision_weights_load_and_are_optional(ckpt, tmp_path):
+    """The checkpoint's vision tower loads into `vision.*` as stored; without its tensors the model has none."""
     stored = load_file(ckpt / "model.safetensors")
-    assert any("vision_tower" in n for n in stored)
     model = load_model(ckpt)
-    names = [n for n, _ in model.named_parameters()]
-    assert names and not any("vision" in n for n in names)
+    table = "model.encoder.vision_tower.patch_embedder.position_embedding_table"
+    assert torch.equal(model.vision.tower.patch_embedder.position_embedding_table, stored[table])
     embed = next(v for k, v in stored.items() if k.endswith("embed_tokens.weight") and "vision" not in k)
     assert torch.equal(model.embed_tokens.weight, embed)
+    d = _copy(ckpt, tmp_path / "text_only")
+    save_file({k: v for k, v in stored.items() if ".vision_tower." not in k and ".embed_vision." not in k},
+              str(d / "model.safetensors"))
+    text_only = load_model(d)
+    assert text_only.vision is None and text_only.cfg.vision is None
+    assert not any("vision" in n for n, _ in text_only.named_parameters())
 
 
 def test_image_tokens_are_refused(ckpt, tmp_path):
@@ -189,7 +194,7 @@ def test_image_tokens_are_refused(ckpt, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     model = dgemma.load(d)
     assert model.generate([5, 6], max_new_tokens=2).token_ids
-    with pytest.raises(SamplingParamsError, match="image inputs are not supported") as err:
+    with pytest.raises(SamplingParamsError, match="image token") as err:
         model.generate([5, 7, 6], max_new_tokens=2)
     assert err.value.param == "prompt"
 

@@ -98,7 +98,7 @@ BAD = [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
      400, "messages[0].content"),
     ("image part", X, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
-        "url": "http://x/y.png"}}]}]}, 400, "messages[0].content"),
+        "url": "http://x/y.png"}}]}]}, 400, "messages[0].content[0]"),  # not fetched (tests/test_vision_server.py)
     ("top_logprobs without logprobs", X, {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ("too many top_logprobs", X, {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("tools with a bad schema", X, {"messages": CHAT, "tools": [{"type": "function", "function": {

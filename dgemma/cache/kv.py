@@ -116,9 +116,9 @@ class KVCache:
         store = next(s for i, s in enumerate(self.stores) if self.cfg.layer(i).sliding == sliding)
         return store.layout(lo, start, n, self.valid.device)
 
-    def encoder_span(self, start: int, n: int, sliding: bool) -> views.Span:
-        """What the causal encoder's n new tokens at `start` see (`views.encoder_span`)."""
-        return views.encoder_span(self, start, n, sliding)
+    def encoder_span(self, start: int, n: int, sliding: bool, groups: Tensor | None = None) -> views.Span:
+        """What the causal encoder's n new tokens at `start` see (`views.encoder_span`; `groups`: image runs)."""
+        return views.encoder_span(self, start, n, sliding, groups)
 
     def decoder_span(self, n: int, sliding: bool) -> views.Span:
         """What a canvas of n tokens after the cached ones sees (`views.decoder_span`)."""

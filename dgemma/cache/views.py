@@ -37,6 +37,7 @@ class CausalMask(NamedTuple):
     q: Tensor
     window: int | None = None
     valid: Tensor | None = None
+    groups: Tensor | None = None  # [B, n] the image run of each query (-1: text): a run's tokens see each other
 
     def block(self, rows: slice, keys: slice) -> Tensor:
         """[B or 1, 1, rows, keys] booleans."""
@@ -44,11 +45,22 @@ class CausalMask(NamedTuple):
         mask = kv <= q
         if self.window is not None:
             mask &= kv > q - self.window
-        if self.valid is None:
-            return mask[None, None]
-        mask = mask[None] & self.valid[:, keys][:, None]
-        mask |= (kv == q)[None]
+        mask = mask[None]
+        if self.valid is not None:
+            mask = mask & self.valid[:, keys][:, None]
+            mask |= (kv == q)[None]
+        if self.groups is not None:  # added after the window, as the reference's or-mask is
+            mask = mask | self._same_image(rows, keys)
         return mask[:, None]
+
+    def _same_image(self, rows: slice, keys: slice) -> Tensor:
+        """[B, rows, keys] whether query and key are soft tokens of one image run (keys among the new tokens)."""
+        n = self.groups.shape[1]
+        offset = self.kv[keys] - self.q[0]  # a key's index among the new tokens (the queries)
+        new = (offset >= 0) & (offset < n)
+        key_groups = torch.where(new[None], self.groups[:, offset.clamp(0, n - 1)], -2)
+        query_groups = self.groups[:, rows]
+        return (query_groups[:, :, None] == key_groups[:, None, :]) & (query_groups[:, :, None] >= 0)
 
 
 Mask = Tensor | CausalMask
@@ -71,21 +83,21 @@ class Span(NamedTuple):
     causal: bool = False
 
 
-def encoder_span(cache: KVCache, start: int, n: int, sliding: bool) -> Span:
-    """Causal attention over slots lo..start+n. No mask where the keys are exactly those slots, nothing visible is
-    padding and the sliding window cuts no query's view short: one new token sees every slot; a first chunk is
-    plain causal."""
+def encoder_span(cache: KVCache, start: int, n: int, sliding: bool, groups: Tensor | None = None) -> Span:
+    """Causal attention over slots lo..start+n (and among each image run's tokens, `groups` [B, n]). No mask where
+    the keys are exactly those slots, nothing visible is padding and the sliding window cuts no query's view short:
+    one new token sees every slot; a first chunk is plain causal."""
     lo, window = cache.window_start(sliding, start), cache.cfg.sliding_window
     first, slots = cache.layout(sliding, lo, start, n)
     window_cuts = sliding and start + n - window > lo
-    exact = first == lo and slots is None
+    exact = first == lo and slots is None and groups is None
     if exact and not cache.has_padding(lo) and not window_cuts and (n == 1 or start == lo):
         return Span(lo, causal=n > 1)
     device = cache.valid.device
     kv = torch.arange(first, start + n, device=device) if slots is None else slots
     q = torch.arange(start, start + n, device=device)
     valid = _valid(cache, kv, slots, first, start + n) if cache.has_padding(first) else None
-    return Span(lo, CausalMask(kv, q, window if sliding else None, valid))
+    return Span(lo, CausalMask(kv, q, window if sliding else None, valid, groups))
 
 
 def decoder_span(cache: KVCache, start: int, n: int, sliding: bool) -> Span:

@@ -15,10 +15,13 @@ from torch import nn
 from dgemma.cache import KVCache
 from dgemma.cache.kv import POSITION_DTYPE
 from dgemma.config import ModelConfig, TextConfig
+from dgemma.errors import DgemmaError
 from dgemma.model.attention import Attention, Part
 from dgemma.model.head import Head
 from dgemma.model.layers import GatedMLP, RMSNorm, rope_cos_sin
 from dgemma.model.moe import Experts, Router
+from dgemma.model.soft_tokens import SoftTokens, chunk_bounds
+from dgemma.model.vision import Vision
 from dgemma.quant import QuantizedWeight
 
 # Prompt tokens encoded per pass by `prefill`: bounds activation memory (MoE rows, attention masks) at any
@@ -94,6 +97,8 @@ class DiffusionGemma(nn.Module):
         self.self_conditioning = SelfConditioning(t)
         self.embed_scale = t.hidden_size**0.5
         self.lm_head = Head(self.embed_tokens, t.final_logit_softcapping, self.embed_scale)  # not a submodule
+        self.vision = Vision(cfg.vision, t) if cfg.vision is not None else None
+        self.soft_tokens = SoftTokens(t.vocab_size)  # images' features, addressed by ids past the vocabulary
 
     @property
     def dtype(self) -> torch.dtype:
@@ -111,6 +116,14 @@ class DiffusionGemma(nn.Module):
         w = self.embed_tokens.weight
         rows = w.embedding(ids) if isinstance(w, QuantizedWeight) else self.embed_tokens(ids)
         return rows * torch.tensor(self.embed_scale, dtype=w.dtype, device=w.device)
+
+    @torch.no_grad()
+    def image_ids(self, key: str, patches: torch.Tensor, positions: torch.Tensor) -> list[int]:
+        """The prompt ids of one image's soft tokens (patches [P, 3 * patch^2] at positions [P, 2], the same
+        image `key` giving the same ids while its features are kept); the vision tower runs on first sight."""
+        if self.vision is None:
+            raise DgemmaError("this checkpoint has no vision tower: it takes text prompts only")
+        return self.soft_tokens.ids(key, lambda: self.vision(patches.to(self.device), positions.to(self.device)))
 
     def soft_embed(self, logits: torch.Tensor) -> torch.Tensor:
         """softmax(logits) @ E * sqrt(H): the self-conditioning signal."""
@@ -133,20 +146,34 @@ class DiffusionGemma(nn.Module):
                 positions: torch.Tensor | None = None, chunk: int | None = PREFILL_CHUNK) -> torch.Tensor:
         """`encode` in chunks of at most `chunk` tokens (None: one pass), so activation memory stays that of one
         chunk whatever the prompt's length; returns the last position's normed hidden state [B, H]."""
-        n = ids.shape[1]
+        n, lo = ids.shape[1], 0
         step = chunk or n
-        for i in range(0, n, step):
-            part = slice(i, i + step)
+        bounds = chunk_bounds((ids >= self.soft_tokens.vocab).cpu(), step) if self.soft_tokens else \
+            range(step, n + step, step)
+        for hi in bounds:
+            part, lo = slice(lo, hi), hi
             x = self._encode(ids[:, part], cache, None if valid is None else valid[:, part],
                              None if positions is None else positions[:, part])
         return self.norm(x[:, -1])
 
     def _encode(self, ids, cache, valid, positions):
         n, caches = ids.shape[1], _listed(cache)
+        x, groups = self._embed_prompt(ids)
         starts = [c.reserve(n, None if valid is None else valid[rows]) for c, rows in zip(caches, _rows(caches))]
-        parts = {s: [Part(c, start, c.encoder_span(start, n, s)) for c, start in zip(caches, starts)]
-                 for s in (True, False)}
-        return self._run(self.embed(ids), parts, n, positions, encoder=True)
+        parts = {s: [Part(c, start, c.encoder_span(start, n, s, None if groups is None else groups[rows]))
+                     for c, start, rows in zip(caches, starts, _rows(caches))] for s in (True, False)}
+        return self._run(x, parts, n, positions, encoder=True)
+
+    def _embed_prompt(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Embeddings of ids [B, n] with images' soft tokens in place, and the image run of each position when the
+        model lets an image's tokens see each other (None: plain causal)."""
+        images = self.soft_tokens
+        if not images:
+            return self.embed(ids), None
+        x = images.place(ids, self.embed(images.text_ids(ids)))
+        if not self.cfg.bidirectional_vision or not bool((ids >= images.vocab).any()):
+            return x, None
+        return x, images.groups(ids)
 
     def denoise(self, canvas: torch.Tensor, cache: Caches, signal: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, context: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from dgemma.errors import DgemmaError
+from dgemma.image_limits import add_image_options, limits_from_args
 from dgemma.options import add_mode_option, add_model_options
 from dgemma.server.config import ServerConfig
 
@@ -51,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-hosts", "--allowed-host", action="append", default=[], metavar="NAME[,NAME]",
                    help="Host headers to accept besides the loopback names (repeatable; others are refused). "
                    "Required with a non-loopback --host; '*' accepts any")
+    add_image_options(p)
+    p.add_argument("--fetch-image-urls", action="store_true", help="fetch http(s) image_url parts (default: "
+                   "refused with 400; data: URLs are always accepted). The server then makes requests for clients")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-access-log", action="store_true", help="do not log each request")
 
@@ -85,7 +89,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         tokenizer_threads=args.tokenizer_threads, max_queue_seconds=args.max_queue_seconds,
         request_timeout=args.request_timeout, header_timeout=args.header_timeout, body_timeout=args.body_timeout,
         keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
-        max_cache_mb=args.max_cache_mb, prefix_cache_mb=args.prefix_cache_mb)
+        max_cache_mb=args.max_cache_mb, prefix_cache_mb=args.prefix_cache_mb,
+        images=limits_from_args(args, args.fetch_image_urls))
 
 
 def _names(values: list[str]) -> tuple[str, ...]:

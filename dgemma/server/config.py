@@ -6,6 +6,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from dgemma.errors import ConfigError
+from dgemma.image_limits import ImageLimits
 from dgemma.options import MODES
 from dgemma.sampling.params import Limits
 
@@ -38,6 +39,7 @@ class ServerConfig:
     max_connections: int = 512  # open connections; more are answered 503 and closed
     max_cache_mb: float | None = None  # KV cache one request may need (prompt + max_tokens); None: no cap
     prefix_cache_mb: int = 1024  # earlier prompts' and answers' KV kept for reuse (diffusion mode); 0: none
+    images: ImageLimits = ImageLimits()  # image inputs: caps per image and request, whether URLs are fetched
 
     def __post_init__(self) -> None:
         for name in ("max_concurrency", "max_n", "max_stop", "max_stop_chars", "max_body_bytes", "tokenizer_threads",

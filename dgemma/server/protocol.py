@@ -192,7 +192,18 @@ class TextPart(_Strict):
     text: Text
 
 
-Content = Annotated[Text | list[TextPart], _one_of("must be a string or a list of text parts")]
+class ImageUrl(_Strict):
+    url: str = Field(description="data:image/...;base64,... (http(s) URLs only with --fetch-image-urls)")
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the soft-token budget is the server's
+
+
+class ImageUrlPart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+Content = Annotated[Text | list[TextPart | ImageUrlPart], _one_of(
+    "must be a string or a list of text and image_url parts")]
 
 
 class CalledFunction(_Strict):
@@ -220,10 +231,25 @@ class ChatMessage(_Strict):
             raise PydanticCustomError("missing", why)
         return value
 
+    @field_validator("content")
+    @classmethod
+    def _images_from_users(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, list) and info.data.get("role") != "user" and any(
+                isinstance(p, ImageUrlPart) for p in value):
+            raise PydanticCustomError("image_role", "image_url parts go in user messages")
+        return value
+
     def text(self) -> str:
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "".join(
+            p.text for p in self.content if isinstance(p, TextPart))
+
+    def template_content(self) -> str | list[dict[str, Any]]:
+        """The text, or with images the parts as `Model.encode_prompt` takes them."""
+        if isinstance(self.content, list) and any(isinstance(p, ImageUrlPart) for p in self.content):
+            return [p.model_dump(exclude_none=True) for p in self.content]
+        return self.text()
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -290,7 +316,7 @@ class ChatCompletionRequest(OpenAIRequest):
 
     def chat(self) -> list[dict[str, str]]:
         """Messages for the chat template ("developer" is the newer name of "system"); with tools: ToolUse.messages."""
-        plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+        plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.template_content(),
                   "tool_calls": [c.model_dump() for c in m.tool_calls or ()] or None, "tool_call_id": m.tool_call_id}
                  for m in self.messages]
         return self.tool_use().messages(plain)

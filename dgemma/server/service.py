@@ -87,6 +87,7 @@ class Service:
             model = self._loader()
             if model.tokenizer is None:
                 raise DgemmaError(f"{model.directory}: the server needs a tokenizer (tokenizer.json)")
+            model.image_limits = self.config.images
             worker = Worker(lambda: model.runner(self.config.mode, "fast", self.config.max_concurrency,
                                                  self.prefix_cache), self.metrics)
             worker.start()

@@ -1,11 +1,14 @@
 """Hugging Face checkpoints: directory / cache resolution, one declared name map, mmap loading with shape checks.
 
 A reference checkpoint stores the decoder (`model.decoder.*`); the encoder shares those weights except its
-`layer_scalar` buffers. Vision weights and the tied `lm_head` are ignored.
+`layer_scalar` buffers. The vision tower and embedder (`model.encoder.vision_tower.*`, `model.encoder.embed_vision.*`)
+load into `vision.tower.*` / `vision.embed.*` when the files hold them (never quantized: in the model's float dtype);
+without them the model has no vision tower. The tied `lm_head` is ignored.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -33,6 +36,7 @@ _ENCODER = "model.encoder.language_model."
 _IGNORED = re.compile(r"^(lm_head\.weight|model\.encoder\.(vision_tower|embed_vision)\..*"
                       r"|model\.encoder\.language_model\.(?!layers\.\d+\.layer_scalar$).*)$")
 _ENCODER_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")
+_VISION = {"vision.tower.": "model.encoder.vision_tower.", "vision.embed.": "model.encoder.embed_vision."}
 
 
 def resolve_checkpoint(path_or_repo: str | Path) -> Path:
@@ -90,7 +94,17 @@ def checkpoint_name(param: str) -> str:
     m = re.fullmatch(r"layers\.(\d+)\.encoder_layer_scalar", param)
     if m:
         return f"{_ENCODER}layers.{m.group(1)}.layer_scalar"
+    for ours, theirs in _VISION.items():
+        if param.startswith(ours):
+            return theirs + param[len(ours):]
     return _DECODER + param
+
+
+def with_stored_vision(cfg: ModelConfig, names) -> ModelConfig:
+    """`cfg` with its vision tower only if the checkpoint's tensor names hold one (a config always declares one:
+    the reference builds a tower whatever the files hold)."""
+    has = any(n.startswith(_VISION["vision.tower."]) for n in names)
+    return cfg if has or cfg.vision is None else dataclasses.replace(cfg, vision=None)
 
 
 def _target_names(model: DiffusionGemma) -> dict[str, tuple[torch.Size, str]]:
@@ -111,8 +125,8 @@ def load_model(path_or_repo: str | Path, dtype: torch.dtype = torch.float32,
     with `quantize`, the weights it covers are quantized a chunk at a time straight from the memory map."""
     directory = resolve_checkpoint(path_or_repo)
     device = torch.device(device)
-    cfg = read_config(directory)
     files = tensor_files(directory)
+    cfg = with_stored_vision(read_config(directory), files)
     with torch.device("meta"):
         model = DiffusionGemma(cfg)
     targets = _target_names(model)

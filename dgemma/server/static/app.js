@@ -3,6 +3,7 @@
 // stream and frees the server's slot), replay of the last answer, and the API key (kept in memory only).
 import { ApiError, Client } from "./api.js";
 import { CanvasView } from "./canvas.js";
+import { bindAttach, detach, parts, userContent } from "./images.js";
 
 const $ = (id) => document.getElementById(id);
 const client = new Client();
@@ -81,7 +82,8 @@ function requestBody() {
 }
 
 // ---- conversation ------------------------------------------------------------------------------------------
-function addMessage(role, text) {
+function addMessage(role, content) {
+  const { text, image } = parts(content);
   const li = document.createElement("li");
   li.className = role;
   const who = document.createElement("span");
@@ -91,6 +93,13 @@ function addMessage(role, text) {
   body.className = "text";
   body.textContent = text;
   li.append(who, body);
+  if (image) {
+    const img = document.createElement("img");
+    img.className = "attached";
+    img.src = image;
+    img.alt = "attached image";
+    li.insertBefore(img, body);
+  }
   $("history").append(li);
   return li;
 }
@@ -103,9 +112,9 @@ function addNote(element, text) {
 }
 
 // Where this answer goes: a new assistant message (chat) or after the prompt (completion).
-function answerTarget(prompt) {
+function answerTarget(prompt, content) {
   if (state.mode === "chat") {
-    const turn = [addMessage("user", prompt), addMessage("assistant", "")];
+    const turn = [addMessage("user", content), addMessage("assistant", "")];
     $("history").scrollTop = $("history").scrollHeight;
     return { text: turn[1].querySelector(".text"), holder: turn[1], turn };
   }
@@ -135,14 +144,15 @@ async function send(event) {
   clearError();
   const chat = state.mode === "chat";
   const body = requestBody();
+  const content = chat ? userContent(prompt) : prompt;
   if (chat) {
     const system = $("system").value.trim();
     body.messages = [...(system ? [{ role: "system", content: system }] : []), ...state.history,
-                     { role: "user", content: prompt }];
+                     { role: "user", content }];
   } else {
     body.prompt = prompt;
   }
-  const target = answerTarget(prompt);
+  const target = answerTarget(prompt, content);
   if (chat) $("prompt").value = "";  // back if the request is refused
   state.controller = new AbortController();
   state.recording = [];
@@ -165,13 +175,13 @@ async function send(event) {
       }
     }
     record({ kind: "finish", usage, seconds: (performance.now() - t0) / 1000 });
-    finishTurn(chat, prompt, answer);
+    finishTurn(chat, content, answer);
     setState("done");
   } catch (e) {
     if (e.name === "AbortError") {
       record({ kind: "stopped" });
       addNote(target.holder, "stopped");
-      finishTurn(chat, prompt, answer);
+      finishTurn(chat, content, answer);
       setState("stopped");
     } else {
       if (answer) addNote(target.holder, "failed");
@@ -188,8 +198,10 @@ async function send(event) {
   }
 }
 
-function finishTurn(chat, prompt, answer) {
-  if (chat) state.history.push({ role: "user", content: prompt }, { role: "assistant", content: answer });
+function finishTurn(chat, content, answer) {  // the image stays in the history: later turns see it too
+  if (!chat) return;
+  state.history.push({ role: "user", content }, { role: "assistant", content: answer });
+  detach();
 }
 
 function stop() {
@@ -212,6 +224,7 @@ function clearAll() {
   state.recording = [];
   $("history").replaceChildren();
   $("completion-out").replaceChildren();
+  detach();
   view.clear();
   clearError();
   setState(state.model ? "idle" : "locked");
@@ -228,6 +241,7 @@ function selectTab(mode, focus) {
     if (on && focus) tab.focus();
   }
   $("prompt-label").textContent = mode === "chat" ? "Message" : "Prompt";
+  $("attach").hidden = mode !== "chat";
 }
 
 function bind() {
@@ -235,6 +249,7 @@ function bind() {
   $("stop").addEventListener("click", stop);
   $("clear").addEventListener("click", clearAll);
   $("replay").addEventListener("click", replay);
+  bindAttach();
   $("defaults").addEventListener("click", () => state.model && fillDefaults());
   $("tab-chat").addEventListener("click", () => selectTab("chat", false));
   $("tab-completion").addEventListener("click", () => selectTab("completion", false));
