@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = {"float32": _ms(lambda: expert_matmul(x, dense, ends), args.repeats),
             "int4 decode + sgemm": _ms(lambda: expert_matmul(x, int4, ends), args.repeats)}
     if int4cpu.available():
-        packed = int4cpu.CPUInt4Experts.from_int(int4)
+        packed = int4cpu.CPUInt4Weight.from_int(int4)
         rows["int4 torch kernel"] = _ms(lambda: expert_matmul(x, packed, ends), args.repeats)
     for name, ms in rows.items():
         print(f"{name:>22} {ms:9.2f} ms", file=sys.stderr)

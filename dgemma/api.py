@@ -19,7 +19,7 @@ from dgemma.engine import (AutoregressiveEngine, Engine, OutputStream, PrefixCac
 from dgemma.errors import DgemmaError
 from dgemma.jsonfile import read_json
 from dgemma.options import MODES, SAMPLINGS
-from dgemma.quant import QuantizedWeight, a8, int4cpu, parse_quantize
+from dgemma.quant import QuantizedWeight, a8, int4cpu, kernel_summary, parse_quantize
 from dgemma.quant import summary as quant_summary
 from dgemma.sampling import Limits, SamplingParams, SamplingParamsError
 from dgemma.sampling.constraints import GrammarVocab, shared_vocab
@@ -340,7 +340,7 @@ class Model:
             "device": str(self.module.device),
             "parameters": sum(p.numel() for p in self.module.parameters()) + sum(
                 m.numel() for m in self.module.modules() if isinstance(m, QuantizedWeight)),
-            "quantization": quant_summary(self.module),
+            "quantization": quant_summary(self.module), "kernels": kernel_summary(self.module),
             "layers": t.num_hidden_layers, "hidden_size": t.hidden_size, "vocab_size": t.vocab_size,
             "experts": f"{t.top_k_experts} of {t.num_experts}", "canvas_length": cfg.canvas_length,
             "sliding_window": t.sliding_window, "max_context": t.max_position_embeddings,

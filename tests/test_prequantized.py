@@ -142,8 +142,9 @@ def test_compressed_tensors_weights_equal_the_library_bit_for_bit(float_ckpt, tm
     ids = torch.tensor([[2, 5, 9, 300, 17]])
     a, b = (m.module.head(m.module.encode(ids, m.module.new_cache(1, 32))) for m in (model, ref))
     # the library rounds q * s to bf16, dgemma keeps it exact in float32 (~0.4% per weight, amplified by the random
-    # model); a wiring error (expert order, gate/up swapped) moves logits by units
-    assert (a - b).abs().max() < 0.3 and (a - b).abs().mean() < 0.02
+    # model) but its int4 kernel for few rows rounds activations and group scales to bf16 (quant/kernels.py; mean
+    # 0.018 without it, 0.022 with it); a wiring error (expert order, gate/up swapped) moves logits by units
+    assert (a - b).abs().max() < 0.3 and (a - b).abs().mean() < 0.03
 
 
 def test_modelopt_nvfp4_with_mixed_bf16_attention(float_ckpt, tmp_path):

@@ -6,7 +6,7 @@ import torch
 
 import dgemma
 from dgemma.quant import IntWeight, int4cpu, quantize_tensor
-from dgemma.quant.int4cpu import CPUInt4Experts
+from dgemma.quant.int4cpu import CPUInt4Weight
 
 pytestmark = pytest.mark.skipif(not int4cpu.available(), reason="no torch CPU int4 kernel")
 
@@ -18,7 +18,7 @@ def _stack(e=5, n=96, k=128, seed=0):
 
 def test_layout_keeps_the_exact_weights():
     w = _stack()
-    c = CPUInt4Experts.from_int(w)
+    c = CPUInt4Weight.from_int(w)
     assert c.packed.shape == (5, 96, 64) and c.nbytes == w.nbytes  # a permutation: no extra bytes
     assert torch.equal(c.dequantize(), w.dequantize())
     assert torch.equal(c.dequantize(torch.tensor([3, 1])), w.dequantize(torch.tensor([3, 1])))
@@ -35,7 +35,7 @@ def test_order_probe_matches_torch_packing():
 
 def test_expert_products_follow_the_dequantized_weights():
     w = _stack()
-    c = CPUInt4Experts.from_int(w)
+    c = CPUInt4Weight.from_int(w)
     x = torch.randn(23, 128, generator=torch.Generator().manual_seed(2))
     ends = torch.tensor([4, 4, 11, 20, 23])  # expert 1 owns no rows
     dense = w.dequantize()
@@ -49,8 +49,8 @@ def test_expert_products_follow_the_dequantized_weights():
 def test_cpu_loads_convert_int4_expert_stacks():
     model = dgemma.load(None, quantize="int4")
     experts = model.module.layers[0].experts
-    assert isinstance(experts.gate_up_proj, CPUInt4Experts) and isinstance(experts.down_proj, CPUInt4Experts)
-    assert isinstance(model.module.layers[0].self_attn.q_proj.weight, IntWeight)
+    assert isinstance(experts.gate_up_proj, CPUInt4Weight) and isinstance(experts.down_proj, CPUInt4Weight)
+    assert isinstance(model.module.layers[0].self_attn.q_proj.weight, CPUInt4Weight)
     assert len(model.generate("The king", max_new_tokens=8, seed=0, max_denoising_steps=4).token_ids) == 8
 
 
@@ -64,14 +64,14 @@ def test_convert_frees_each_stack_before_the_next(monkeypatch):
     model = torch.nn.ModuleDict({f"layer{i}": layer(i) for i in range(3)})
     old = [weakref.ref(m) for m in model.modules() if isinstance(m, IntWeight)]
     alive_at_each_call = []
-    real = CPUInt4Experts.from_int.__func__
+    real = CPUInt4Weight.from_int.__func__
 
     def watched(cls, w):
         gc.collect()
         alive_at_each_call.append(sum(r() is not None for r in old))
         return real(cls, w)
 
-    monkeypatch.setattr(CPUInt4Experts, "from_int", classmethod(watched))
+    monkeypatch.setattr(CPUInt4Weight, "from_int", classmethod(watched))
     assert int4cpu.convert(model) == 6
     assert alive_at_each_call == [6, 5, 4, 3, 2, 1]
-    assert all(isinstance(m, CPUInt4Experts) for layer in model.values() for m in layer.values())
+    assert all(isinstance(m, CPUInt4Weight) for layer in model.values() for m in layer.values())

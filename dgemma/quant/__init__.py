@@ -12,15 +12,19 @@ API (what other packages use):
 - `FP8Weight`, `NVFP4Weight` (quant/fp.py): the formats pre-quantized checkpoints bring (decoded on the fly).
 - `QuantSpec` / `parse_quantize` (quant/spec.py): the `--quantize` vocabulary.
 - `a8` (quant/a8.py): `+a8`, int8 activations for 2D quantized weights on x86 CPUs (`a8.enable(module, ...)`).
-- `int4cpu` (quant/int4cpu.py): int4 expert stacks in torch's CPU int4 layout with their own grouped kernel
-  (`expert_matmul(x, ends)`, which model/moe.py prefers when a format has it); converted at load on CPUs.
+- `int4cpu` (quant/int4cpu.py): int4 weights in torch's CPU int4 layout, converted at load on CPUs: 2D weights with
+  `kernel_mm` (the weight-only kernel `linear` runs for few rows), expert stacks with their own grouped kernel
+  (`expert_matmul(x, ends)`, which model/moe.py prefers when a format has it).
+- `kernels` (quant/kernels.py): which path `linear` takes for a call's number of rows, chosen once per weight
+  (`QuantizedWeight.choice`); `kernel_summary(model)` is what `dgemma info` shows.
 """
 
-from dgemma.quant.base import QuantizedWeight, compute_dtype, summary
+from dgemma.quant.base import QuantizedWeight, kernel_summary, summary
 from dgemma.quant.fp import FP8Weight, NVFP4Weight
+from dgemma.quant.kernels import compute_dtype
 from dgemma.quant.intq import DEFAULT_GROUP, IntWeight, int_weight, pack_int4, quantize_tensor, unpack_int4
 from dgemma.quant.spec import SCHEMES, QuantSpec, parse_quantize
 
 __all__ = ["DEFAULT_GROUP", "FP8Weight", "IntWeight", "NVFP4Weight", "QuantSpec", "QuantizedWeight", "SCHEMES",
-           "compute_dtype", "int_weight",
+           "compute_dtype", "int_weight", "kernel_summary",
            "pack_int4", "parse_quantize", "quantize_tensor", "summary", "unpack_int4"]

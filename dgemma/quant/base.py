@@ -12,10 +12,10 @@ into `out`. Everything else is here:
 - `embedding(ids)` decodes only the looked-up rows;
 - `dequantize(sel, dtype)` gives float rows for the grouped expert GEMMs (`model/moe.py`).
 
-The GEMM itself is torch's float GEMM in `x`'s compute dtype: on this class of CPU (AVX2, no VNNI / AMX) torch's
-weight-only int kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, `_int_mm`) measured 2-25x slower
-than dequantise + sgemm at canvas sizes (docs/performance.md). A device with faster fused kernels plugs in by
-overriding `linear` in the format's class (CUDA tensor-core FP8 / NVFP4 GEMMs would go there).
+`linear` runs the path `choice` (quant/kernels.py) gives the call's number of rows: a format's weight-only kernel
+(`kernel_mm` and `kernel_name`, e.g. torch's int4 CPU kernel in quant/int4cpu.py) for few rows, `+a8`'s int8 GEMM,
+or decode + the float GEMM in `x`'s compute dtype. A device's fused kernel plugs in as a format class with
+`kernel_mm` and a row limit in kernels.KERNEL_ROWS.
 Under autograd (QLoRA) a decoded chunk is a fresh tensor, since backward keeps it.
 """
 
@@ -27,19 +27,12 @@ import threading
 import torch
 from torch import nn
 
-from dgemma.dtypes import native_bf16
+from dgemma.quant.kernels import KERNEL, Choice, choose, compute_dtype
 
 CPU_CHUNK_ELEMENTS = 1 << 18  # 1 MB of float32: decode + GEMM stay in L2 / L3
 DEVICE_CHUNK_ELEMENTS = 1 << 26
 
 _local = threading.local()
-
-
-def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """float32 for bf16 on a device without native bf16 GEMMs (as `model.layers.gemm_dtype`), else `dtype`."""
-    if dtype == torch.bfloat16 and not native_bf16(device.type):
-        return torch.float32
-    return dtype
 
 
 def workspace(numel: int, dtype: torch.dtype, device: torch.device, fresh: bool) -> torch.Tensor:
@@ -65,6 +58,7 @@ class QuantizedWeight(nn.Module):
         super().__init__()
         self.shape = torch.Size(shape)
         self.dtype = dtype
+        self._choice: Choice | None = None
 
     # ---- what a format implements --------------------------------------------------------------------------------
     def _decode(self, sel: slice | torch.Tensor, out: torch.Tensor) -> None:
@@ -124,14 +118,30 @@ class QuantizedWeight(nn.Module):
         usable = a8 is not None and (a8.blocks_t or not transposed)
         return a8 if usable and not (torch.is_grad_enabled() and x.requires_grad) else None
 
+    @property
+    def choice(self) -> Choice:
+        """The path each shape class of `linear` takes (quant/kernels.py), chosen on first use and kept."""
+        if self._choice is None:
+            self._choice = choose(self)
+        return self._choice
+
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] @ W.T -> [..., N] (2D weights)."""
+        """x [..., K] @ W.T -> [..., N] (2D weights): the `+a8` copy when there is one, else the path `choice` gives
+        this many rows (decode + GEMM under autograd: the other paths have no backward)."""
         flat = x.reshape(-1, x.shape[-1]).to(compute_dtype(x.dtype, x.device))
+        grad = torch.is_grad_enabled() and x.requires_grad
         if a8 := self._int8_activations(x, transposed=False):
-            return a8.linear(flat).to(x.dtype).view(*x.shape[:-1], self.shape[0])
-        parts = [flat @ w.T for _, _, w in self._chunks(x)]
-        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+            y = a8.linear(flat)
+        elif self.choice.path(flat.shape[0]) == KERNEL and not grad:
+            y = self.kernel_mm(flat)
+        else:
+            parts = [flat @ w.T for _, _, w in self._chunks(x)]
+            y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return y.to(x.dtype).view(*x.shape[:-1], self.shape[0])
+
+    def kernel_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ W.T -> [M, N] through the format's weight-only kernel (formats with `kernel_name`)."""
+        raise NotImplementedError
 
     def linear_t(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., N] @ W -> [..., K] (2D weights): the soft embedding through the tied embedding."""
@@ -160,3 +170,18 @@ def summary(model: nn.Module) -> str | None:
     if not counts:
         return None
     return ", ".join(f"{k}: {n} tensor{'s' * (n > 1)}" for k, n in sorted(counts.items()))
+
+
+def kernel_summary(model: nn.Module) -> str | None:
+    """Each kind of quantized weight, the matmul it runs and how many there are (`dgemma info`); None without any."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, QuantizedWeight):
+            if len(m.shape) == 2:
+                a8 = getattr(m, "a8", None) is not None
+                key = f"{m.format} 2D: {'oneDNN int8 x int8 (+a8)' if a8 else m.choice.describe()}"
+            else:
+                grouped = f"{m.kernel_name} per expert" if hasattr(m, "expert_matmul") else "decode + grouped GEMM"
+                key = f"{m.format} experts: {grouped}"
+            counts[key] = counts.get(key, 0) + 1
+    return "; ".join(f"{key} ({n})" for key, n in sorted(counts.items())) or None

@@ -1,19 +1,29 @@
-"""int4 expert stacks on CPUs in torch's own int4 layout, multiplied by `torch._weight_int4pack_mm_for_cpu`.
+"""int4 weights on CPUs in torch's own int4 layout, multiplied by `torch._weight_int4pack_mm_for_cpu`.
 
-An expert sees ~16 rows of a canvas, so its GEMM is bound by reading its weight. Decoding int4 to float32 and
-running sgemm (quant/base.py) reads the codes, writes 8x their bytes of float and reads them back; torch's int4
-kernel unpacks in registers and reads only the codes. At the real model's expert shape (1,408 x 2,816, 16 rows)
-it ran 4.0x faster than decode + sgemm and 1.65x faster than sgemm on float32 weights (docs/performance.md).
-The kernel takes bfloat16 activations and scales and writes bfloat16: expert inputs, the group scales and the
-expert outputs are rounded to bfloat16 (8-bit mantissa), the cost of the speed. Weights stay exact: the codes
-and float16 scales are kept, only permuted into torch's layout, and `dequantize` gives the same floats as the
-`IntWeight` they came from. Stacks are converted at load on CPUs that have the kernel (`convert`).
+torch's int4 kernel unpacks the codes in registers and reads each weight byte once per call, where decoding to
+float and running a float GEMM (quant/base.py) reads the codes, writes 4-8x their bytes of float and reads them
+back. Below a few rows (an expert's ~16 rows of a canvas, one token of autoregressive decoding, the tied head of
+that token) the matmul is bound by reading the weight, and the kernel wins by 4-20x (docs/kernels.md). The kernel
+takes bfloat16 activations and scales and writes bfloat16: inputs, group scales and outputs are rounded to
+bfloat16 (8-bit mantissa), the cost of the speed. Weights stay exact: the codes and float16 scales are kept, only
+permuted into torch's layout, and `dequantize` gives the same floats as the `IntWeight` they came from.
+
+torch's layout (probed, `layout()`; it follows the CPU's vector width): rows in blocks of `block` (64 on AVX-512,
+32 on AVX2); a block of w rows is [K, w / 2] bytes, column-major over the block's rows; a byte holds rows j and
+j + w/2 ("split") or 2j and 2j + 1 ("pairs"); a last block of fewer rows holds pairs. Both decode with byte
+operations (a byte transpose, then the two nibbles), as fast as the group-local layout of quant/intq.py.
+
+`convert(module)` replaces every int4 `IntWeight` whose shape the kernel takes, on CPUs that have it: 2D weights
+(projections, the tied embedding) get `kernel_mm`, which `linear` runs for calls of few rows (quant/kernels.py),
+and keep the kernel's bfloat16 scale-and-zero table (4 bytes per group); expert stacks
+[E, N, K] get a grouped `expert_matmul` (model/moe.py prefers it).
 """
 
 from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -28,11 +38,14 @@ def available() -> bool:
     return hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_convert_weight_to_int4pack_for_cpu")
 
 
-@lru_cache(maxsize=8)
+class Layout(NamedTuple):
+    block: int  # rows per full block
+    split: bool  # a full block's byte j holds rows j and j + block / 2 (else 2j and 2j + 1)
+
+
 def _order(n: int, k: int) -> Tensor:
     """For torch's packing of an [n, k] matrix: the flat source index (row * k + column) of each packed nibble, in
-    packed order (byte-major, low nibble first). Found by packing probes that spell each index 4 bits at a time, so
-    it follows whatever layout this torch build and CPU use."""
+    packed order (byte-major, low nibble first). Found by packing probes that spell each index 4 bits at a time."""
     idx = torch.arange(n * k, dtype=torch.int64).view(n, k)
     order = torch.zeros(n * k, dtype=torch.int64)
     for d in range(math.ceil(math.log2(n * k) / 4)):
@@ -46,72 +59,172 @@ def _nibbles(packed: Tensor) -> Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
 
 
-class CPUInt4Experts(QuantizedWeight):
-    """An int4 expert stack [E, N, K] in torch's CPU int4 layout (`packed` [E, N, K // 2]) with the float16 group
-    scales [E, N, K // g] of the `IntWeight` it came from."""
+@lru_cache(maxsize=1)
+def layout() -> Layout | None:
+    """This torch build's and CPU's int4 layout, or None when it is not one `_codes` reads (then nothing converts)."""
+    if not available():
+        return None
+    block = int(_order(128, 2)[0:256].view(-1).tolist().index(1))  # nibble position of (row 0, column 1)
+    for split in (True, False):
+        guess = Layout(block, split)
+        if all(torch.equal(_order(n, 64), _predicted(n, 64, guess)) for n in (2 * block, block + 16)):
+            return guess
+    return None
+
+
+def _predicted(n: int, k: int, lay: Layout) -> Tensor:
+    """The order `_order(n, k)` gives if torch packs as `lay` says (see the module docstring)."""
+    order = []
+    main = n - n % lay.block
+    blocks = [(start, lay.block, lay.split) for start in range(0, main, lay.block)] + [(main, n - main, False)]
+    for start, width, split in blocks:
+        for col in range(k):
+            for j in range(width // 2):
+                pair = (j, j + width // 2) if split else (2 * j, 2 * j + 1)
+                order += [(start + r) * k + col for r in pair]
+    return torch.tensor(order)
+
+
+def fits(w: QuantizedWeight) -> bool:
+    """An int4 `IntWeight` whose shape the kernel and the probed layout take."""
+    return (isinstance(w, IntWeight) and w.bits == 4 and len(w.shape) in (2, 3) and w.group_size in GROUPS
+            and w.shape[-2] % 16 == 0 and layout() is not None)
+
+
+class CPUInt4Weight(QuantizedWeight):
+    """An int4 weight [N, K] or expert stack [E, N, K] in torch's CPU int4 layout (`packed` [*, N, K // 2], blocks
+    of rows as `layout()` says) with the float16 group scales [*, N, K // g] of the `IntWeight` it came from."""
 
     format, bits = "int4", 4
+    kernel_name = "torch int4 kernel (bf16)"
 
     def __init__(self, packed: Tensor, scales: Tensor, shape: tuple[int, ...], dtype: torch.dtype):
         super().__init__(shape, dtype)
+        self.layout = layout()
         self.register_buffer("packed", packed)
         self.register_buffer("scales", scales)
+        if len(shape) == 2:  # the kernel's bf16 [K // g, N, 2] scales and zeros, built once
+            table = torch.zeros(scales.shape[1], shape[0], 2, dtype=torch.bfloat16)
+            table[..., 0] = scales.T
+            self.register_buffer("scale_zero", table, persistent=False)
 
     @classmethod
-    def from_int(cls, w: IntWeight) -> CPUInt4Experts:
-        e, n, k = w.shape
-        packed = torch.empty(e, n, k // 2, dtype=torch.uint8)
-        for i in range(e):
-            codes = unpack_int4(w.qweight[i], w.group_size).int() + 8  # torch's nibbles are unsigned, zero at 8
-            packed[i] = torch._convert_weight_to_int4pack_for_cpu(codes, 2).view(n, k // 2)
-        return cls(packed, w.scales, tuple(w.shape), w.dtype)
+    def from_int(cls, w: IntWeight) -> CPUInt4Weight:
+        n, k = w.shape[-2:]
+        slabs = w.qweight.view(-1, n, k // 2)
+        packed = torch.empty(slabs.shape, dtype=torch.uint8)
+        step = max(64, (1 << 22) // k // 64 * 64)  # rows packed at a time (int32 codes: 16 MB), whole blocks
+        for i in range(slabs.shape[0]):
+            for lo in range(0, n, step):
+                codes = unpack_int4(slabs[i, lo:lo + step], w.group_size).int() + 8  # unsigned, zero at 8
+                packed[i, lo:lo + step] = torch._convert_weight_to_int4pack_for_cpu(codes, 2).view(-1, k // 2)
+        return cls(packed.view(*w.shape[:-1], k // 2), w.scales, tuple(w.shape), w.dtype)
 
     @property
     def group_size(self) -> int:
         return self.shape[-1] // self.scales.shape[-1]
 
+    def chunk_rows(self) -> int:
+        """Whole blocks of rows (the fast decode), at least one block."""
+        if len(self.shape) == 3:
+            return super().chunk_rows()
+        return max(1, super().chunk_rows() // self.layout.block) * self.layout.block
+
+    # ---- decoding ------------------------------------------------------------------------------------------------
     def _codes(self, sel, out: Tensor) -> Tensor:
-        """The signed codes of experts `sel` written into `out` [m, N, K] (any dtype that holds -8..7)."""
-        n, k = self.shape[1:]
-        flat = out.view(-1, n * k)
-        nib = _nibbles(self.packed[sel]).view(flat.shape[0], -1)
-        flat.index_copy_(1, _order(n, k), nib.to(out.dtype).sub_(8))
-        return out
+        """The signed codes of rows (2D) or experts (3D) `sel` written into `out` [m, N, K] or [m, K]."""
+        k = self.shape[-1]
+        if len(self.shape) == 3:
+            slabs = self.packed[sel]
+            for e in range(slabs.shape[0]):
+                out[e].copy_(self._block_codes(slabs[e], self.shape[1]))
+            return out
+        rows = range(*sel.indices(self.shape[0])) if isinstance(sel, slice) else None
+        if rows is not None and rows.start % self.layout.block == 0 and (
+                rows.stop % self.layout.block == 0 or rows.stop == self.shape[0]):
+            start = rows.start * k // 2
+            out.copy_(self._block_codes(self.packed.view(-1)[start:rows.stop * k // 2], len(rows)))
+            return out
+        ids = torch.arange(rows.start, rows.stop) if rows is not None else sel.reshape(-1)
+        return out.copy_(self._row_codes(ids))
+
+    def _block_codes(self, flat: Tensor, n: int) -> Tensor:
+        """int8 codes [n, K] of n rows stored as whole blocks (the last one possibly short) in bytes `flat`."""
+        k = self.shape[-1]
+        return _unpacked_codes(flat.view(-1, k // 2), n, k, self.layout)
+
+    def _row_codes(self, ids: Tensor) -> Tensor:
+        """int8 codes [len(ids), K] of single rows (an embedding lookup): one strided byte gather per row."""
+        n, k = self.shape
+        lay = self.layout
+        main = n - n % lay.block
+        tail = ids >= main
+        width = torch.where(tail, n - main, lay.block)
+        start = torch.where(tail, main, ids - ids % lay.block)
+        j = ids - start
+        half = width // 2
+        byte, high = (j % half, j >= half) if lay.split else (j // 2, j % 2 == 1)
+        byte = torch.where(tail, j // 2, byte)
+        high = torch.where(tail, j % 2 == 1, high)
+        index = (start * k // 2 + byte)[:, None] + torch.arange(k)[None] * half[:, None]
+        raw = self.packed.view(-1)[index]
+        return ((raw >> (high[:, None] * 4).to(torch.uint8)) & 15).view(torch.int8) - 8
 
     def _decode(self, sel, out: Tensor) -> None:
         grouped = self._codes(sel, out).view(*out.shape[:-1], -1, self.group_size)
         grouped.mul_(self.scales[sel].to(out.dtype)[..., None])
 
     def to_int(self) -> IntWeight:
-        """The `IntWeight` this stack came from (its layout, the same codes and scales)."""
+        """The `IntWeight` this weight came from (its layout, the same codes and scales)."""
         codes = self._codes(slice(None), torch.empty(self.shape, dtype=torch.int8))
         return IntWeight(pack_int4(codes, self.group_size), self.scales, 4, self.dtype)
 
-    def rebuild(self, buffers: dict[str, Tensor]) -> CPUInt4Experts:
-        return CPUInt4Experts(buffers["packed"], buffers["scales"], (buffers["packed"].shape[0], *self.shape[1:]),
-                              self.dtype)
+    def rebuild(self, buffers: dict[str, Tensor]) -> CPUInt4Weight:
+        """Over other experts (the leading dimension); rows of a block cannot be sliced."""
+        return CPUInt4Weight(buffers["packed"], buffers["scales"], (*buffers["packed"].shape[:-1], self.shape[-1]),
+                             self.dtype)
+
+    # ---- matmuls -------------------------------------------------------------------------------------------------
+    def kernel_mm(self, x: Tensor) -> Tensor:
+        """x [M, K] @ W.T -> [M, N] in x's dtype through torch's int4 kernel (2D weights)."""
+        y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.group_size, self.scale_zero)
+        return y.to(x.dtype)
 
     def expert_matmul(self, x: Tensor, ends: Tensor) -> Tensor:
         """x [R, K] sorted by expert (expert e owns rows ends[e-1]..ends[e]) times w[e].T -> [R, N] in x's dtype."""
         bounds = [0, *ends.tolist()]
         xb = x.to(torch.bfloat16)
         out = torch.empty(x.shape[0], self.shape[1], dtype=torch.bfloat16)
-        zeros = torch.zeros(self.scales.shape[2], self.shape[1], dtype=torch.bfloat16)
+        table = torch.zeros(self.scales.shape[2], self.shape[1], 2, dtype=torch.bfloat16)
         for e in range(self.shape[0]):
             lo, hi = bounds[e], bounds[e + 1]
             if hi > lo:
-                scale_zero = torch.stack([self.scales[e].T.to(torch.bfloat16), zeros], dim=-1)
-                out[lo:hi] = torch._weight_int4pack_mm_for_cpu(xb[lo:hi], self.packed[e], self.group_size, scale_zero)
+                table[..., 0] = self.scales[e].T
+                out[lo:hi] = torch._weight_int4pack_mm_for_cpu(xb[lo:hi], self.packed[e], self.group_size, table)
         return out.to(x.dtype)
 
 
+def _unpacked_codes(packed: Tensor, n: int, k: int, lay: Layout) -> Tensor:
+    """Packed rows [n, K // 2] (whole blocks, torch's layout) -> int8 codes [n, K]."""
+    out = torch.empty(n, k, dtype=torch.uint8)
+    main = n - n % lay.block
+    for rows, width, split in ((slice(0, main), lay.block, lay.split), (slice(main, n), n - main, False)):
+        if rows.stop > rows.start:
+            p = packed[rows].reshape(-1, k, width // 2).transpose(1, 2).contiguous()  # [nb, w/2, K]: byte rows
+            o = out[rows].view(-1, 2, width // 2, k) if split else out[rows].view(-1, width // 2, 2, k)
+            lo, hi = (o[:, 0], o[:, 1]) if split else (o[:, :, 0], o[:, :, 1])
+            torch.bitwise_and(p, 15, out=lo)
+            torch.bitwise_right_shift(p, 4, out=hi)
+    return out.view(torch.int8).sub_(8)
+
+
 def convert(module: torch.nn.Module) -> int:
-    """Replace every int4 expert stack of `module` (an `IntWeight` [E, N, K] whose group the kernel takes) with its
-    `CPUInt4Experts`, one at a time (only names are listed first: each old stack is freed as soon as it is
-    replaced, so converting never holds a second copy of the model's experts); returns how many were converted."""
+    """Replace every int4 `IntWeight` of `module` that `fits` with its `CPUInt4Weight`, one at a time (only names are
+    listed first: each old weight is freed as soon as it is replaced, so converting never holds a second copy of
+    the model's experts); returns how many were converted."""
     targets = [(owner, name) for owner, parent in module.named_modules() for name, w in parent.named_children()
-               if isinstance(w, IntWeight) and w.bits == 4 and len(w.shape) == 3 and w.group_size in GROUPS]
+               if fits(w)]
     for owner, name in targets:
         parent = module.get_submodule(owner)
-        setattr(parent, name, CPUInt4Experts.from_int(getattr(parent, name)))
+        setattr(parent, name, CPUInt4Weight.from_int(getattr(parent, name)))
     return len(targets)

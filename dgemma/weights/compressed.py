@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from dgemma.errors import DgemmaError
 from dgemma.quant import IntWeight, NVFP4Weight, QuantizedWeight, unpack_int4
-from dgemma.quant.int4cpu import CPUInt4Experts
+from dgemma.quant.int4cpu import CPUInt4Weight
 from dgemma.weights.hf import checkpoint_name
 
 SHARD_BYTES = 2 << 30
@@ -55,7 +55,7 @@ def module_tensors(param: str, value) -> dict[str, torch.Tensor]:
     name = checkpoint_name(param)
     if not isinstance(value, QuantizedWeight):
         return {name: value.detach().cpu().contiguous()}
-    if isinstance(value, CPUInt4Experts):
+    if isinstance(value, CPUInt4Weight):
         value = value.to_int()
     if not isinstance(value, (IntWeight, NVFP4Weight)):
         raise DgemmaError(f"{name}: writing {value.format} weights is not supported")
