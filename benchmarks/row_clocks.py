@@ -3,8 +3,8 @@ one run on the bundled model:
 
 - mixed: 8 concurrent requests (prompts of 8..64 tokens, 32..128 new tokens, the checkpoint's adaptive
   defaults): aggregate committed tokens per second;
-- short beside slow: a 32-token request at the adaptive defaults beside one that never becomes confident (every
-  canvas runs to the step cap, ~10x the short one's steps): the short one's time / its time alone.
+- short beside slow: a 32-token request at the adaptive defaults beside one that never becomes confident and
+  runs 10x the short one's steps (measured alone first): the short one's time / its time alone.
 
     python benchmarks/row_clocks.py [--repeats 3] [--dtype auto]
 
@@ -49,17 +49,19 @@ def mixed(model, row_clocks: bool) -> dict:
     return {"tokens_per_second": sum(len(r.output) for r in reqs) / seconds, "stats": engine.stats.to_dict()}
 
 
-def short_beside_slow(model, row_clocks: bool, with_slow: bool) -> float:
-    """Seconds until the short request finishes (alone, or beside the slow one)."""
+def short_beside_slow(model, row_clocks: bool, slow_steps: int | None) -> tuple[float, int]:
+    """(seconds until the short request finishes, its denoising steps), alone or beside a slow request that takes
+    `slow_steps` steps."""
     engine = _engine(model, row_clocks)
     d = model.defaults.replace(eos_token_ids=())
     short = engine.add_request(_ids(model, 12, 1), d.replace(seed=1, max_new_tokens=32))
-    if with_slow:
-        engine.add_request(_ids(model, 12, 2), d.replace(seed=2, max_new_tokens=256, confidence_threshold=1e-30))
+    if slow_steps:
+        engine.add_request(_ids(model, 12, 2), d.replace(seed=2, max_new_tokens=32, max_denoising_steps=slow_steps,
+                                                         confidence_threshold=1e-30))
     t0 = time.perf_counter()
     while not short.finished:
         engine.step()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, sum(short.stats.steps_per_canvas)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,17 +70,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto")
     args = p.parse_args(argv)
     model = dgemma.load(dtype=args.dtype)
+    slow_steps = 10 * short_beside_slow(model, True, None)[1]
     runs: dict[str, list] = {}
     for _ in range(args.repeats):  # interleaved, so both engines see the same machine load
         for name, row_clocks in (("new", True), ("old", False)):
             runs.setdefault(f"mixed_{name}", []).append(mixed(model, row_clocks))
-            runs.setdefault(f"short_alone_{name}", []).append(short_beside_slow(model, row_clocks, False))
-            runs.setdefault(f"short_busy_{name}", []).append(short_beside_slow(model, row_clocks, True))
+            runs.setdefault(f"short_alone_{name}", []).append(short_beside_slow(model, row_clocks, None)[0])
+            runs.setdefault(f"short_busy_{name}", []).append(short_beside_slow(model, row_clocks, slow_steps)[0])
     med = {k: statistics.median(v) for k, v in runs.items() if not k.startswith("mixed")}
     tps = {k: statistics.median(r["tokens_per_second"] for r in v) for k, v in runs.items() if k.startswith("mixed")}
     print(json.dumps({
         "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-        "dtype": str(model.module.dtype), "repeats": args.repeats,
+        "dtype": str(model.module.dtype), "repeats": args.repeats, "slow_steps": slow_steps,
         "mixed_tokens_per_second": tps, "mixed_ratio_new_over_old": tps["mixed_new"] / tps["mixed_old"],
         "mixed_stats": {k: v[-1]["stats"] for k, v in runs.items() if k.startswith("mixed")},
         "short_seconds": med,

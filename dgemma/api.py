@@ -63,11 +63,7 @@ def load(path_or_repo: str | Path | None = None, dtype: str | torch.dtype = "aut
         path_or_repo = DEMO_MODEL
     gguf = is_gguf(path_or_repo)
     directory = Path(path_or_repo).expanduser() if gguf else resolve_checkpoint(path_or_repo)
-    try:
-        device = torch.device(device)
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError) as e:
-        raise DgemmaError(f"device {device!s} is not available ({e})") from None
+    device = _device(device)
     if spec is not None and device.type not in QUANT_DEVICES:
         raise DgemmaError(f"quantize={spec.name} runs on {' or '.join(QUANT_DEVICES)}, not on device {device}")
     if spec is not None and spec.int8_activations and not a8.available(device):
@@ -95,6 +91,15 @@ def load(path_or_repo: str | Path | None = None, dtype: str | torch.dtype = "aut
 def load_model_from_args(args) -> Model:
     """`load` with the options commands share (`options.add_model_options`)."""
     return load(args.model, dtype=args.dtype, device=args.device, compile=args.compile, quantize=args.quantize)
+
+
+def _device(device: str | torch.device) -> torch.device:
+    try:
+        device = torch.device(device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:
+        raise DgemmaError(f"device {device!s} is not available ({e})") from None
+    return device
 
 
 QUANT_DEVICES = ("cpu", "cuda")  # where the decode ops (bit shifts on uint8, int8 casts) are known to run

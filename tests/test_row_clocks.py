@@ -81,3 +81,26 @@ def test_a_short_request_keeps_its_own_clock(demo):
         s, _ = engine.add_request(*short), engine.add_request(*slow)
         steps = _steps_until_finished(engine, s)
         assert (steps == alone) == row_clocks, (steps, alone)
+
+
+def test_a_long_prompt_is_prefilled_a_chunk_per_step_beside_running_rows(demo):
+    """A prompt of three prefill chunks joins a running request: it is encoded one chunk per step while the other
+    row keeps denoising, and both get their ids alone; the batch-wide engine, which encodes it whole, agrees."""
+    from dgemma.model.diffusion_gemma import PREFILL_CHUNK
+
+    base = demo.defaults.replace(eos_token_ids=())
+    short = (_ids(demo, 6, 1), base.replace(seed=1, max_new_tokens=64, max_denoising_steps=8))
+    long = (_ids(demo, 2 * PREFILL_CHUNK + 40, 2), base.replace(seed=2, max_new_tokens=40, max_denoising_steps=6))
+    engine = _engine(demo)
+    s = engine.add_request(*short)
+    engine.step()
+    r = engine.add_request(*long)
+    passes = []
+    while r not in engine.batch.rows:
+        engine.step()
+        passes.append(s.stats.decoder_passes)
+    assert len(passes) == 3 and passes == list(range(passes[0], passes[0] + 3))
+    while engine.has_work():
+        engine.step()
+    whole = _engine(demo, row_clocks=False).generate([long[0]], long[1])[0].output
+    assert r.output == _alone(demo, *long)[0] == whole and s.output == _alone(demo, *short)[0]

@@ -26,6 +26,7 @@ from dgemma.engine.request import Event, Request
 from dgemma.engine.runner import Runner
 from dgemma.engine.scheduler import Batch, Scheduler, prefill_groups
 from dgemma.model import DiffusionGemma
+from dgemma.model.diffusion_gemma import PREFILL_CHUNK
 from dgemma.sampling import random_tokens
 from dgemma.sampling.fused import fast_step
 
@@ -48,7 +49,7 @@ class Engine(Runner):
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], pad_id: int = 0, max_batch: int = 16,
                  prefix_cache: PrefixCache | None = None, features: tuple[Feature, ...] = FEATURES,
                  row_clocks: bool = True):
-        self.scheduler = Scheduler(model, pad_id, max_batch, prefix_cache)
+        self.scheduler = Scheduler(model, pad_id, max_batch, prefix_cache, PREFILL_CHUNK if row_clocks else None)
         super().__init__(model, eos_ids, features)
         self.pad_id, self.max_batch, self.prefix_cache, self.row_clocks = pad_id, max_batch, prefix_cache, row_clocks
         self.canvas_length = model.cfg.canvas_length
@@ -68,10 +69,11 @@ class Engine(Runner):
         return self.scheduler.batch
 
     def held(self) -> list[Request]:
-        return self.waiting + ([] if self.batch is None else self.batch.rows)
+        running = [] if self.batch is None else self.batch.rows
+        return self.waiting + [r for r, _ in self.scheduler.prefilling] + running
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or self.batch is not None
+        return bool(self.waiting or self.scheduler.prefilling) or self.batch is not None
 
     @property
     def num_running(self) -> int:

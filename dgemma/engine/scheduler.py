@@ -1,7 +1,8 @@
 """Which rows run (cf. nano-vllm's Scheduler; the engine runs the model): the waiting queue, admission up to
 `max_batch` rows, each joining row's own cache (a copy of the longest prefix the `PrefixCache` holds plus the rest
-of its prompt, or a prefill grouped by prompt length), and pruning of finished rows, whose prompts and answers go
-to the prefix cache. A row's cache is its own, so joins and leaves never copy another row's."""
+of its prompt, or a prefill grouped by prompt length; with `chunk`, a prompt longer than that is encoded one chunk
+per engine step, so that it never stalls the running rows for longer), and pruning of finished rows, whose prompts
+and answers go to the prefix cache. A row's cache is its own, so joins and leaves never copy another row's."""
 
 from __future__ import annotations
 
@@ -39,30 +40,56 @@ def prefill_groups(rows: list[Request], waste: float = 0.25) -> list[list[Reques
 
 
 class Scheduler:
-    def __init__(self, model: DiffusionGemma, pad_id: int, max_batch: int, prefix_cache: PrefixCache | None):
+    def __init__(self, model: DiffusionGemma, pad_id: int, max_batch: int, prefix_cache: PrefixCache | None,
+                 chunk: int | None = None):
         self.model, self.pad_id, self.max_batch, self.prefix_cache = model, pad_id, max_batch, prefix_cache
+        self.chunk = chunk
         self.waiting: list[Request] = []
+        self.prefilling: list[tuple[Request, KVCache]] = []  # long prompts, encoded a chunk per step
         self.batch: Batch | None = None
 
     def admit(self) -> list[Request]:
-        """Move waiting requests into the batch while there is room, each with its cache; returns them."""
-        room = self.max_batch - (0 if self.batch is None else len(self.batch.rows))
+        """Move requests into the batch while there is room, each with its cache; returns them."""
+        room = self.max_batch - (0 if self.batch is None else len(self.batch.rows)) - len(self.prefilling)
         rows, self.waiting = self.waiting[:room], self.waiting[room:]
-        if not rows:
-            return []
         caches = {r.id: self._from_prefix(r) for r in rows} if self.prefix_cache is not None else {}
-        canvas = self.model.cfg.canvas_length
-        for group in prefill_groups([r for r in rows if caches.get(r.id) is None]):
-            cache, pads = prefill(self.model, group, self.pad_id, 2 * canvas, own_positions=True)
+        fresh = [r for r in rows if caches.get(r.id) is None]
+        long = {r.id for r in fresh if self.chunk is not None and len(r.prompt) > self.chunk}
+        self.prefilling += [(r, self._start_prefill(r)) for r in fresh if r.id in long]
+        for group in prefill_groups([r for r in fresh if r.id not in long]):
+            cache, pads = prefill(self.model, group, self.pad_id, 2 * self.model.cfg.canvas_length, own_positions=True)
             caches.update((r.id, cache.extract(i, pad, cache.length)) for i, (r, pad) in enumerate(zip(group, pads)))
+        joined = [r for r in rows if r.id not in long] + self._prefill_chunks(caches)
         if self.prefix_cache is not None:
-            for r in rows:
+            for r in joined:
                 self.prefix_cache.store(r.prompt, caches[r.id], r.params.cache_salt)
-        if self.batch is None:
+        if joined and self.batch is None:
             self.batch = Batch([], [])
-        self.batch.rows += rows
-        self.batch.caches += [caches[r.id] for r in rows]
-        return rows
+        if joined:
+            self.batch.rows += joined
+            self.batch.caches += [caches[r.id] for r in joined]
+        return joined
+
+    def _start_prefill(self, r: Request) -> KVCache:
+        r.stats.t_start = time.perf_counter()
+        return self.model.new_cache(1, len(r.prompt) + 2 * self.model.cfg.canvas_length)
+
+    def _prefill_chunks(self, caches: dict[str, KVCache]) -> list[Request]:
+        """One chunk of each long prompt being encoded (aborted ones dropped); returns the requests whose prompt
+        is now whole in their cache (put in `caches`)."""
+        done, going = [], []
+        for r, cache in self.prefilling:
+            if r.finished:
+                continue
+            part = r.prompt[cache.length:cache.length + self.chunk]
+            self.model.prefill(torch.tensor([part], device=self.model.device), cache, chunk=None)
+            if cache.length == len(r.prompt):
+                caches[r.id] = cache.extract(0, 0, cache.length)
+                done.append(r)
+            else:
+                going.append((r, cache))
+        self.prefilling = going
+        return done
 
     def prune(self) -> bool:
         """Drop finished rows from the batch (their caches go with them); False, and no batch, if none is left."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dgemma.model.layers import gemm_dtype, matmul
+from dgemma.model.layers import matmul
 from dgemma.quant import QuantizedWeight
 
 
@@ -27,9 +27,6 @@ class Head:
     def vocab_size(self) -> int:
         return self.weight.shape[0]
 
-    def gemm_dtype(self) -> torch.dtype:
-        return gemm_dtype(self.weight)
-
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] -> float32 logits [..., V]."""
         w = self.weight
@@ -43,13 +40,10 @@ class Head:
         soft = w.linear_t(probs) if isinstance(w, QuantizedWeight) else matmul(probs, w)
         return soft * torch.tensor(self.scale, dtype=w.dtype, device=w.device)
 
-    def rows(self, lo: int, hi: int, dtype: torch.dtype) -> Tensor:
-        """Embedding rows lo..hi in `dtype` (a quantized embedding decodes them into its workspace: valid until
-        the next decode on this thread)."""
-        return embedding_rows(self.weight, lo, hi, dtype)
-
 
 def embedding_rows(weight: Tensor | QuantizedWeight, lo: int, hi: int, dtype: torch.dtype) -> Tensor:
+    """Embedding rows lo..hi in `dtype` (the fused step's vocabulary blocks; a quantized embedding decodes them into
+    its workspace, valid until the next decode on this thread)."""
     if isinstance(weight, QuantizedWeight):
         return weight.dequantize(slice(lo, hi), dtype, fresh=False)
     return weight[lo:hi].to(dtype)

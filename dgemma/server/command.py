@@ -20,6 +20,12 @@ log = logging.getLogger("dgemma.server")
 KEY_ENV = "DGEMMA_API_KEY"
 
 
+def _load(args: argparse.Namespace):
+    from dgemma.api import load_model_from_args  # torch: only once serving starts, so --help stays fast
+
+    return load_model_from_args(args)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_options(p)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -119,9 +125,7 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    from dgemma.api import load_model_from_args
-
-    app = create_app(config, lambda: load_model_from_args(args), on_fatal)
+    app = create_app(config, lambda: _load(args), on_fatal)
     uv = uvicorn_config(app, config, log_level=args.log_level, access_log=not args.no_access_log,
                         timeout_graceful_shutdown=int(config.shutdown_timeout) + 5)
     logging.getLogger("uvicorn.access").addFilter(RedactQuery())
