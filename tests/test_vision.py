@@ -73,9 +73,10 @@ def prompt_ids(counts, vocab_ids):
     return ids
 
 
-def reference(model, pics, ids, canvas):
+def reference(model, pics, ids, canvas, generate_masks=True):
     """Encoder logits of the prompt and the decoder's logits of `canvas` after it, as the reference's generate
-    computes them (its masks, its cache)."""
+    computes them (its masks, its cache); without `generate_masks`, as 5.23's plain encoder forward does (which
+    builds those masks and discards them: plain causal attention)."""
     from transformers.cache_utils import DynamicCache
 
     k2 = model.config.vision_config.pooling_kernel_size ** 2
@@ -92,8 +93,9 @@ def reference(model, pics, ids, canvas):
     masks = model.model.encoder.create_masks_for_generate(
         config=model.config, inputs_embeds=torch.empty(1, n, 0), attention_mask=torch.ones(1, n, dtype=torch.bool),
         past_key_values=cache, position_ids=positions, mm_token_type_ids=(input_ids == IMAGE).long())
-    enc = model.model.encoder(input_ids=input_ids, pixel_values=pixel, image_position_ids=pos, attention_mask=masks,
-                              past_key_values=cache, position_ids=positions)
+    enc = model.model.encoder(input_ids=input_ids, pixel_values=pixel, image_position_ids=pos,
+                              attention_mask=masks if generate_masks else None, past_key_values=cache,
+                              position_ids=positions, mm_token_type_ids=(input_ids == IMAGE).long())
     cap = model.config.text_config.final_logit_softcapping
     encoder_logits = torch.tanh(model.lm_head(enc.last_hidden_state).float() / cap) * cap
     c = canvas.shape[1]
@@ -157,6 +159,8 @@ def test_image_prompt_logits_fp32(pair):
     got = ours(model, pics, ids, canvas)
     for e, g in zip(expected, got):
         assert (e - g).abs().max() <= 1e-4
+    causal = reference(ref, pics, ids, canvas, generate_masks=False)  # the mask matters here: 5.23's plain forward
+    assert all((c - g).abs().max() > 1e-2 for c, g in zip(causal, got))
 
 
 @torch.no_grad()

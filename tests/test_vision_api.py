@@ -130,6 +130,8 @@ def test_bad_input_is_refused_before_the_tower_runs(demo, tmp_path, monkeypatch)
     for messages, message in cases:
         with pytest.raises(SamplingParamsError, match=message):
             demo.generate(messages, max_new_tokens=2)
+    with pytest.raises(SamplingParamsError, match="outside the vocabulary"):  # another request's image's ids
+        demo.generate([2, demo.module.soft_tokens.vocab, demo.module.soft_tokens.vocab + 1], max_new_tokens=2)
     with pytest.raises(SamplingParamsError, match="no vision tower"):
         _text_only(tmp_path).generate(chat(picture(10, 10)), max_new_tokens=2)
     assert not ran
@@ -158,3 +160,30 @@ def test_prompt_limits_count_soft_tokens_not_data_url_characters(demo):
     demo.check_request(ids, params, Limits(max_prompt_tokens=len(ids)))
     with pytest.raises(SamplingParamsError, match="prompt"):
         demo.check_request(ids, params, Limits(max_prompt_tokens=len(ids) - 1))
+
+
+@torch.no_grad()
+def test_bundled_shape_logits_fp32(demo):
+    """The bundled checkpoint (its tiny tower at 16-pixel patches): encoder logits over an image prompt and the
+    first denoising step's within 1e-4 of the reference fed the reference processor's pixels."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+    from transformers.cache_utils import DynamicCache
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    image = picture(70, 50, seed=6)
+    ids = demo.encode_prompt(chat(image, text="Describe it."))
+    cfg, module = demo.module.cfg, demo.module
+    ref_ids = torch.tensor([[cfg.image_token_id if t >= cfg.text.vocab_size else t for t in ids]])
+    pixels = Gemma4ImageProcessorPil(max_soft_tokens=280)(images=[image], return_tensors="pt")
+    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(DEMO_MODEL, dtype=torch.float32).eval()
+    cache, n = DynamicCache(config=ref.config.get_text_config(decoder=True)), len(ids)
+    enc = ref.model.encoder(input_ids=ref_ids, pixel_values=pixels["pixel_values"], past_key_values=cache,
+                            image_position_ids=pixels["image_position_ids"], position_ids=torch.arange(n)[None])
+    canvas = torch.randint(0, cfg.text.vocab_size, (1, cfg.canvas_length), generator=torch.Generator().manual_seed(7))
+    expected = [torch.tanh(ref.lm_head(enc.last_hidden_state) / 30) * 30,
+                ref(decoder_input_ids=canvas, past_key_values=cache, decoder_position_ids=torch.arange(
+                    n, n + canvas.shape[1])[None], decoder_attention_mask=torch.ones(1, n + canvas.shape[1])).logits]
+    ours = module.new_cache(1, 4)
+    got = [module.head(module.encode(torch.tensor([ids]), ours)), module.head(module.denoise(canvas, ours))]
+    for e, g in zip(expected, got):
+        assert (e - g).abs().max() <= 1e-4

@@ -168,12 +168,10 @@ class DiffusionGemma(nn.Module):
         """Embeddings of ids [B, n] with images' soft tokens in place, and the image run of each position when the
         model lets an image's tokens see each other (None: plain causal)."""
         images = self.soft_tokens
-        if not images:
+        if not images or not bool((ids >= images.vocab).any()):  # one host read, only once an image was seen
             return self.embed(ids), None
         x = images.place(ids, self.embed(images.text_ids(ids)))
-        if not self.cfg.bidirectional_vision or not bool((ids >= images.vocab).any()):
-            return x, None
-        return x, images.groups(ids)
+        return x, images.groups(ids) if self.cfg.bidirectional_vision else None
 
     def denoise(self, canvas: torch.Tensor, cache: Caches, signal: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, context: torch.Tensor | None = None) -> torch.Tensor:

@@ -125,8 +125,9 @@ def load_model(path_or_repo: str | Path, dtype: torch.dtype = torch.float32,
     with `quantize`, the weights it covers are quantized a chunk at a time straight from the memory map."""
     directory = resolve_checkpoint(path_or_repo)
     device = torch.device(device)
+    cfg = read_config(directory)  # first: a wrong model_type is the error to report, whatever the files
     files = tensor_files(directory)
-    cfg = with_stored_vision(read_config(directory), files)
+    cfg = with_stored_vision(cfg, files)
     with torch.device("meta"):
         model = DiffusionGemma(cfg)
     targets = _target_names(model)
