@@ -55,13 +55,12 @@ class Completions:
     def _best(self, m: llguidance.LLMatcher, plan: bool) -> int | None:
         """The next token: the best-scored candidate; at a structural choice (few tokens allowed: a key, the
         kind of a value, whether an object goes on) with `plan`, the one whose greedy completion is shortest."""
-        allowed = self._allowed(m)
-        picks = self.ranked[allowed[self.ranked]][:CANDIDATES].tolist()
+        words = _words(m)
+        picks = self.ranked[_bits(words, self.ranked)][:CANDIDATES].tolist()
         if not picks:
-            rest = np.flatnonzero(allowed)
-            return int(rest[0]) if len(rest) else None
+            return self._first_allowed(words)
         scores = [self._score(m, t) for t in picks]
-        if plan and len(picks) > 1 and allowed.sum() <= STRUCTURAL:
+        if plan and len(picks) > 1 and _count(words) <= STRUCTURAL:
             scores = [(self._rollout(m, t), score) for t, score in zip(picks, scores)]
         return picks[min(range(len(picks)), key=scores.__getitem__)]
 
@@ -80,14 +79,28 @@ class Completions:
         ahead.consume_token(token)
         if ahead.is_accepting():
             return (0,)
-        allowed = self._allowed(ahead)
-        return (1, not allowed[self.enders].any(), int(allowed.sum()))
+        words = _words(ahead)
+        return (1, not _bits(words, self.enders).any(), _count(words))
 
-    def _allowed(self, m: llguidance.LLMatcher) -> np.ndarray:
-        bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool)
+    def _first_allowed(self, words: np.ndarray) -> int | None:
+        """The lowest allowed id that is not excluded (the fallback when no short candidate is allowed)."""
+        allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[:self.vocab_size].astype(bool)
         allowed[self.excluded] = False
-        return allowed
+        rest = np.flatnonzero(allowed)
+        return int(rest[0]) if len(rest) else None
+
+
+def _words(m: llguidance.LLMatcher) -> np.ndarray:
+    """The matcher's token mask as 32-bit words (bit t % 32 of word t // 32: token t allowed)."""
+    return np.frombuffer(m.compute_bitmask(), dtype=np.uint32)
+
+
+def _bits(words: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    return ((words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)
+
+
+def _count(words: np.ndarray) -> int:
+    return int(np.bitwise_count(words).sum())
 
 
 def _ranked(tokenizer: llguidance.LLTokenizer, vocab_size: int, excluded: set[int]) -> tuple[np.ndarray, np.ndarray]:
