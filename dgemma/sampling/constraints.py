@@ -214,7 +214,9 @@ class RowGrammar:
         completions = self.vocab.completions
         if len(w) <= room and completions.still_completes(self.matcher, w):
             return True
-        found = completions.shortest(self.matcher, room) if room >= 0 else None
+        # any completion that fits keeps the promise: the plain greedy one first, the planned search when it does not
+        found = (completions.shortest(self.matcher, room, plan=False) or completions.shortest(self.matcher, room)
+                 if room >= 0 else None)
         if found is None:
             self.matcher.rollback(1)
             return False
