@@ -99,8 +99,11 @@ def _bits(words: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return ((words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)
 
 
+_POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.int32)  # numpy < 2 has no bitwise_count
+
+
 def _count(words: np.ndarray) -> int:
-    return int(np.bitwise_count(words).sum())
+    return int(_POPCOUNT[words.view(np.uint8)].sum())
 
 
 def _ranked(tokenizer: llguidance.LLTokenizer, vocab_size: int, excluded: set[int]) -> tuple[np.ndarray, np.ndarray]:
