@@ -8,10 +8,14 @@ python benchmarks/structured.py [--schemas 200] [--batch 16] [--cost-requests 8]
 2. cost, on the bundled model, side by side in one process: seconds per committed token of constrained and
    unconstrained batches (same prompts, seeds and sizes, alternated), and the grammar work per denoising step
    (time inside the valid-prefix rule) reported apart.
+3. budget: `--schemas` random schemas with free strings (no maxLength) on the bundled model with max_tokens =
+   2x the tokens of a minimal instance (dgemma/bench/schemas.py), with the budget rule off (before: no
+   completion reserved) and on (sampling/budget.py); the cost of part 2 is also measured with the rule off.
 The last stdout line is JSON. Timings on a shared CPU are noisy: quote the ratio, not the seconds.
 """
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -23,7 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 import dgemma  # noqa: E402
 from dgemma import Grammar  # noqa: E402
-from dgemma.bench.schemas import random_schemas  # noqa: E402
+from dgemma.bench.schemas import minimal_tokens, random_schemas  # noqa: E402
+from dgemma.sampling.budget import Completions  # noqa: E402
 from dgemma.engine.features import grammar as grammar_feature  # noqa: E402
 
 PROMPT = "Here is the record as JSON:"
@@ -40,27 +45,28 @@ def randomised(model, seed: int):
     return model
 
 
-def run_batch(model, schemas, seed0: int, steps: int | None):
+def run_batch(model, schemas, seed0: int, steps: int | None, budgets=None):
     runner = model.runner("diffusion", "fast", max_batch=len(schemas))
     ids = model.encode_prompt(PROMPT)
     options = {} if steps is None else {"max_denoising_steps": steps}
+    budgets = budgets or [400] * len(schemas)
     reqs = [runner.add_request(ids, model.params(grammar=None if s is None else Grammar.json_schema(s),
-                                                 seed=seed0 + i, max_new_tokens=400, **options))
-            for i, s in enumerate(schemas)]
+                                                 seed=seed0 + i, max_new_tokens=b, **options))
+            for i, (s, b) in enumerate(zip(schemas, budgets))]
     t0 = time.perf_counter()
     for _ in runner.stream():
         pass
     return reqs, time.perf_counter() - t0
 
 
-def validity(model, schemas, batch: int, steps: int | None) -> dict:
+def validity(model, schemas, batch: int, steps: int | None, budgets=None) -> dict:
     import jsonschema_rs
 
     valid = 0
     failures = []
     for lo in range(0, len(schemas), batch):
         part = schemas[lo:lo + batch]
-        reqs, _ = run_batch(model, part, lo, steps)
+        reqs, _ = run_batch(model, part, lo, steps, budgets and budgets[lo:lo + batch])
         for schema, r in zip(part, reqs):
             text = model.tokenizer.decode(r.output)
             try:
@@ -107,6 +113,27 @@ def cost(model, schemas, batch: int, rounds: int, steps: int | None) -> dict:
             "grammar_ms_per_step": 1000 * clock.seconds / max(1, clock.calls), "grammar_steps": clock.calls}
 
 
+def budget(model, n: int, batch: int, steps: int | None) -> dict:
+    """Free-string schemas at max_tokens = 2x a minimal instance's tokens, the budget rule off, then on."""
+    schemas = random_schemas(n, seed=1, free=True)
+    budgets = [2 * minimal_tokens(model.tokenizer, s) for s in schemas]
+    with budget_rule_off():
+        off = validity(model, schemas, batch, steps, budgets)
+    on = validity(model, schemas, batch, steps, budgets)
+    return {"rule_off": off, "rule_on": on}
+
+
+@contextlib.contextmanager
+def budget_rule_off():
+    """Constrained decoding as before the budget rule: no completion is ever found, so nothing is reserved."""
+    search = Completions.shortest
+    Completions.shortest = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        Completions.shortest = search
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--schemas", type=int, default=200)
@@ -122,8 +149,13 @@ def main() -> int:
     report = {"cpu_threads": torch.get_num_threads(), "schemas": args.schemas, "batch": args.batch}
     report["cost_bundled"] = cost(demo, schemas, args.batch, args.cost_rounds, args.steps)
     print("cost", report["cost_bundled"], flush=True)
+    with budget_rule_off():
+        report["cost_bundled_rule_off"] = cost(demo, schemas, args.batch, args.cost_rounds, args.steps)
+    print("cost, budget rule off", report["cost_bundled_rule_off"], flush=True)
     report["validity_bundled"] = validity(demo, schemas, args.batch, args.steps)
     print("bundled", {k: v for k, v in report["validity_bundled"].items() if k != "failures"}, flush=True)
+    report["budget_bundled"] = budget(demo, args.schemas, args.batch, args.steps)
+    print("budget", {k: (v["valid"], v["schemas"]) for k, v in report["budget_bundled"].items()}, flush=True)
     report["validity_random"] = validity(randomised(dgemma.load(), seed=1), schemas, args.batch, args.steps)
     print("random", {k: v for k, v in report["validity_random"].items() if k != "failures"}, flush=True)
     print(json.dumps(report))

@@ -55,7 +55,7 @@ def _bench(capsys, *argv: str) -> tuple[list[str], dict]:
 
 def test_fixed_steps_runs_every_engine_and_ends_with_json(ckpt, capsys):
     lines, rep = _bench(capsys, "--model", str(ckpt), "--steps", "2", "--batch", "1,2", "--rounds", "2")
-    assert any("tok/s" in line and "x bound" in line for line in lines)
+    assert any("tok/s" in line and "rows/pass" in line and "done-row s" in line for line in lines)
     assert set(rep) == {"schema", "model", "settings", "machine", "runs", "ratios"}  # measurements only
     assert not any("target" in line for line in lines)
     assert rep["machine"]["matmul"]["float32"]["gflops"] > 0 and rep["machine"]["cpu_capability"]
@@ -75,6 +75,10 @@ def test_fixed_steps_runs_every_engine_and_ends_with_json(ckpt, capsys):
             assert r["settings"]["steps"] == "--steps 2 (fixed)"
             assert r["settings"]["max_denoising_steps"] == 2
             assert r["settings"]["confidence_threshold"] == FIXED_STEPS_THRESHOLD
+        if engine == "dgemma":  # both rows in each of the 4 passes; none carried after its canvas was done
+            assert (r["rows_per_pass"], r["done_rows"], r["done_row_seconds"]) == (batch, 0, 0.0)
+        else:
+            assert r["rows_per_pass"] is None and r["done_row_seconds"] is None
     d1, ar = runs[("dgemma", 1)], runs[("autoregressive", 1)]
     assert ar["settings"] == {"mode": "autoregressive", "eos": "ignored", "temperature": 0.0}
     ratios = rep["ratios"]

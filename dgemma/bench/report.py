@@ -63,8 +63,10 @@ def _speedup(a: dict, b: dict) -> float:
 
 
 # ---- the human table --------------------------------------------------------------------------------------------
-HEAD = ("engine", "dtype", "batch", "steps", "tok/s", "s/step", "steps/canvas", "tok/fwd", "TTFT s", "peak MB",
-        "weights MB", "bound s/step", "x bound")  # peak MB: process RSS (on CUDA: device memory)
+HEAD = ("engine", "dtype", "batch", "steps", "tok/s", "s/step", "steps/canvas", "steps/row", "rows/pass",
+        "done-row s", "tok/fwd", "TTFT s", "peak MB", "weights MB", "bound s/step", "x bound")
+# peak MB: process RSS (on CUDA: device memory); steps/row: decoder passes per row; done-row s: seconds spent on
+# rows already done (their share of the passes' rows times the run's time)
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -95,11 +97,12 @@ def _row(r: dict[str, Any]) -> tuple[str, ...]:
     steps = _steps_label(r)
     dtype = r["dtype"] + (f"+{r['quantize']}" if r.get("quantize") else "")
     if r.get("error"):
-        return (r["engine"], dtype, str(r["batch"]), steps, "error", *["-"] * 8)
+        return (r["engine"], dtype, str(r["batch"]), steps, "error", *["-"] * 11)
     spc = [n for row in r["steps_per_canvas"] for n in row]
     return (r["engine"], dtype, str(r["batch"]), steps, f"{r['tokens_per_second']:.2f}",
             _num(r["seconds_per_step"]), (f"{statistics.mean(spc):.1f}" if spc else "-"),
-            _num(r["tokens_per_forward"], 2), _num(r["ttft_seconds"], 2),
+            _num(r["passes"] / r["batch"] if r.get("passes") else None, 1), _num(r.get("rows_per_pass"), 2),
+            _num(r.get("done_row_seconds"), 2), _num(r["tokens_per_forward"], 2), _num(r["ttft_seconds"], 2),
             _mb(r.get("device_peak_bytes", r["peak_rss_bytes"])), _mb(r["weights_bytes"]),
             _num(r.get("flop_bound_seconds_per_step")), _num(r.get("bound_ratio"), 2))
 

@@ -113,7 +113,19 @@ def summarise(samples: list[dict[str, Any]]) -> dict[str, Any]:
         "steps_per_canvas": first["steps_per_canvas"],
         "tokens_per_forward": tokens / passes if passes else None,
         "ttft_seconds": statistics.median(ttfts) if ttfts else None,
+        **_pass_figures(first.get("engine"), seconds),
     }
+
+
+def _pass_figures(engine: dict[str, Any] | None, seconds: float) -> dict[str, Any]:
+    """Steps per row (decoder passes each row rode in, summed over rows: the rows of all passes), rows per
+    decoder pass, rows already done carried in a pass, and the seconds spent on them (the run's time times
+    their share of the rows); None for engines without pass counts."""
+    if engine is None:
+        return {"rows_per_pass": None, "done_rows": None, "done_row_seconds": None}
+    share = engine["done_rows"] / engine["rows"] if engine["rows"] else 0.0
+    return {"rows_per_pass": engine["rows_per_pass"], "done_rows": engine["done_rows"],
+            "done_row_seconds": seconds * share}
 
 
 # ---- prompts and settings ---------------------------------------------------------------------------------------
@@ -162,6 +174,8 @@ def _dgemma_runner(job: Job):
     options = job.overrides() | job.decoding()
     warm = {"max_denoising_steps": 1} if job.diffusion else {"max_new_tokens": min(job.max_new_tokens, 4)}
 
+    engines = _engines_of(model)
+
     def once(warmup: bool) -> dict[str, Any]:
         t0 = time.perf_counter()
         results = model.generate([list(p) for p in prompts], **(options | warm if warmup else options))
@@ -169,11 +183,25 @@ def _dgemma_runner(job: Job):
         seconds = time.perf_counter() - t0
         passes = [r.stats["decoder_passes"] for r in results]
         ttfts = [r.stats.get("ttft_seconds") for r in results]
+        stats = getattr(engines[-1], "stats", None)
         return {"seconds": seconds, "tokens": [len(r.token_ids) for r in results], "passes": passes,
                 "steps": max(passes), "steps_per_canvas": [list(r.stats.get("steps_per_canvas", [])) for r in results],
-                "ttft_seconds": max(ttfts) if None not in ttfts else None}
+                "ttft_seconds": max(ttfts) if None not in ttfts else None,
+                "engine": stats.to_dict() if stats is not None else None}
 
     return once, tensor_bytes(model.module), describe_settings(job, model.defaults.replace(**job.overrides()))
+
+
+def _engines_of(model) -> list:
+    """The engines `model.generate` makes from now on (the last one's EngineStats: passes, rows, done rows)."""
+    made, make = [], model.runner
+
+    def runner(*args, **kwargs):
+        made.append(make(*args, **kwargs))
+        return made[-1]
+
+    model.runner = runner
+    return made
 
 
 class _CanvasClock:

@@ -64,7 +64,7 @@ class AutoregressiveEngine(Runner):
     def _start(self, req: Request) -> tuple[Request, KVCache, torch.Tensor]:
         req.stats.t_start = time.perf_counter()
         if req.grammar is not None:
-            req.grammar.start_canvas(req.params.max_new_tokens + 1)  # one prefix for the whole output
+            req.grammar.start_canvas(req.params.max_new_tokens + 1, req.params.max_new_tokens)  # one prefix
         cache = self.model.new_cache(1, len(req.prompt) + req.params.max_new_tokens + 1)
         return req, cache, self.model.prefill(torch.tensor([req.prompt], device=self.model.device), cache)
 

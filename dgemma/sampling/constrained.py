@@ -29,7 +29,7 @@ def masked_token(logits: Tensor, allowed: Tensor, inv_temp: float | None, genera
 def start_canvas(grammars: Rows, budgets: list[int], canvas_length: int) -> None:
     for g, budget in zip(grammars, budgets):
         if g is not None:
-            g.start_canvas(min(canvas_length, budget))
+            g.start_canvas(min(canvas_length, budget), budget)
 
 
 def constrain_step(grammars: Rows, out: StepOutput, hidden: Tensor, head: Head, inv_temp: Tensor,
@@ -44,7 +44,9 @@ def constrain_step(grammars: Rows, out: StepOutput, hidden: Tensor, head: Head, 
     for j, i in enumerate(rows):
         g, p = grammars[i], len(grammars[i].locked)
         if not (accepted[j][p] and g.extend([samples[j][p]])):
-            g.extend([masked_token(head.logits(hidden[i, p:p + 1])[0], g.allowed(), temps[j], generators[i])])
+            draw = masked_token(head.logits(hidden[i, p:p + 1])[0], g.allowed(), temps[j], generators[i])
+            if not g.extend([draw]):
+                g.give_up()  # the budget refused the draw: the token it reserves
         run = next((k for k, a in enumerate(accepted[j][p + 1:]) if not a), len(accepted[j]) - p - 1)
         g.extend(samples[j][p + 1:p + 1 + run])
     noise = torch.stack([random_tokens(out.canvas.shape[1:], head.vocab_size, out.canvas.device,

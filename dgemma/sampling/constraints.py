@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from dgemma.errors import SamplingParamsError
+from dgemma.sampling.budget import Completions
 
 KINDS = ("json_object", "json_schema", "regex", "lark")
 # compact JSON: no free whitespace, so a model cannot stall in an endless run of spaces
@@ -115,6 +116,7 @@ class GrammarVocab:
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids) or None)
         self.own_eos = tuple(self.tokenizer.eos_tokens)
+        self.completions = Completions(self.tokenizer, vocab_size, set(self.own_eos))
 
     def matcher(self, g: Grammar, eos: tuple[int, ...]) -> RowGrammar:
         """A fresh matcher for one request; raises SamplingParamsError when `g` cannot match anything."""
@@ -143,22 +145,41 @@ def shared_vocab(owner: Any, tokenizer_json: str, vocab_size: int, eos_ids: tupl
 
 class RowGrammar:
     """One request's grammar state: the matcher has consumed every committed token and this canvas's locked
-    prefix `locked` (at most `limit` tokens: the canvas, or the request's remaining budget)."""
+    prefix `locked` (at most `limit` tokens: the canvas, or the request's remaining budget).
+
+    The budget rule: `witness` is a valid completion from the matcher's state (found by `Completions.shortest`)
+    that fits the tokens left (`budget` at the canvas start, less the locked ones, one kept for the EOS). A token
+    is locked only if a completion still fits after it, and `give_up` locks the witness's next token, so a row
+    whose smallest answer fits its budget always ends complete. None: no completion fits (or none was found):
+    the rule is off and the answer may be cut ("length")."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab: GrammarVocab, eos: tuple[int, ...]):
         self.matcher, self.vocab, self.eos = matcher, vocab, tuple(eos)
         self.stops = set(self.eos) | set(vocab.own_eos)
         self.locked: list[int] = []
         self.limit = 0
+        self.budget: int | None = None  # tokens this request may still write, at the canvas start
+        self.witness: list[int] | None = None
         self.ended = False  # an EOS is locked: the grammar is complete
         self.written = False  # this canvas's prefix is final and written into the draft
 
-    def start_canvas(self, limit: int) -> None:
+    def start_canvas(self, limit: int, budget: int | None = None) -> None:
+        """A fresh prefix of at most `limit` tokens; `budget`: tokens the request may still write (EOS
+        included), default `limit`. The first call searches the witness."""
+        first = self.budget is None
         self.locked, self.limit, self.written = [], limit, False
+        self.budget = limit if budget is None else budget
+        if first:
+            self.witness = self.vocab.completions.shortest(self.matcher, self.budget - 1)
 
     def give_up(self) -> None:
-        """End the row where the grammar allows no token at all (cannot happen with a consistent grammar and
-        tokenizer; kept so that a broken one ends a request instead of hanging it)."""
+        """Lock the token the budget reserves: the witness's next one, or an EOS where the grammar is complete.
+        Without a witness, end the row (where the grammar allows no token at all: cannot happen with a
+        consistent grammar and tokenizer; kept so that a broken one ends a request instead of hanging it)."""
+        if self.witness:
+            self.matcher.consume_token(self.witness[0])
+            self.locked.append(self.witness.pop(0))
+            return
         self.locked.append(self.eos[0])
         self.ended = True
 
@@ -168,16 +189,39 @@ class RowGrammar:
         return self.ended or len(self.locked) >= self.limit
 
     def extend(self, tokens: list[int]) -> int:
-        """Lock the longest prefix of `tokens` the grammar allows (an EOS only where the grammar is complete);
-        returns how many were locked."""
+        """Lock the longest prefix of `tokens` the grammar and the budget allow (an EOS only where the grammar is
+        complete); returns how many were locked."""
         tokens = tokens[:self.limit - len(self.locked)]
         k = next((i for i, t in enumerate(tokens) if t in self.stops), len(tokens))
-        n = self.matcher.try_consume_tokens(tokens[:k]) if k else 0
-        self.locked += tokens[:n]
+        n = 0
+        while n < k and self.matcher.try_consume_tokens([tokens[n]]) and self._fits(tokens[n]):
+            self.locked.append(tokens[n])
+            n += 1
         if n == k < len(tokens) and tokens[k] in self.eos and self.matcher.is_accepting():
             self.locked.append(tokens[k])
             self.ended, n = True, n + 1
         return n
+
+    def _fits(self, token: int) -> bool:
+        """After consuming `token`: whether a completion still fits what is left (else `token` is rolled back)."""
+        w = self.witness
+        if w is None:
+            return True
+        room = self.budget - len(self.locked) - 2  # tokens left after this one, less the EOS
+        if w and w[0] == token:
+            self.witness = w[1:]
+            return True
+        completions = self.vocab.completions
+        if len(w) <= room and completions.still_completes(self.matcher, w):
+            return True
+        # any completion that fits keeps the promise: the plain greedy one first, the planned search when it does not
+        found = (completions.shortest(self.matcher, room, plan=False) or completions.shortest(self.matcher, room)
+                 if room >= 0 else None)
+        if found is None:
+            self.matcher.rollback(1)
+            return False
+        self.witness = found
+        return True
 
     def allowed(self) -> Tensor:
         """bool [V] on the CPU: the tokens the grammar allows next (the request's EOS ids where it is complete)."""

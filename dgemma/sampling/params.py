@@ -27,6 +27,18 @@ class Limits:
     max_stop: int | None = None
     max_stop_chars: int | None = None
     max_cache_bytes: int | None = None  # KV cache one request may need (prompt + max_new_tokens + a canvas)
+    # fairness: what one request may cost the others (diffusion: its rows ride in every decoder pass it runs)
+    max_denoising_steps: int | None = None  # per canvas
+    max_temperature: float | None = None  # t_max (so the whole schedule) and ar_temperature
+    max_token_steps: int | None = None  # max_new_tokens x max_denoising_steps: the decoder work a request may ask
+
+    def clamp(self, defaults: SamplingParams) -> SamplingParams:
+        """`defaults` (the checkpoint's) within the caps, so that a request leaving a field out is not refused."""
+        steps, t = self.max_denoising_steps, self.max_temperature
+        out = defaults.replace(max_denoising_steps=None if steps is None else min(steps, defaults.max_denoising_steps))
+        if t is None:
+            return out
+        return out.replace(t_max=min(t, out.t_max), t_min=min(t, out.t_min), ar_temperature=min(t, out.ar_temperature))
 
 
 @dataclass(frozen=True)
@@ -113,6 +125,7 @@ class SamplingParams:
         _cap("stop", len(self.stop), limits.max_stop, "{} stop strings; at most {} are allowed")
         for s in self.stop:
             _cap("stop", len(s), limits.max_stop_chars, "a stop string has {} characters; at most {} are allowed")
+        self._check_fairness(limits)
         if max_context is not None and prompt_len >= max_context:
             _fail(f"the prompt has {prompt_len} tokens; the context ({max_context} tokens) leaves no room for "
                   "new ones", "prompt")
@@ -124,6 +137,18 @@ class SamplingParams:
             if need > limits.max_cache_bytes:
                 _fail(f"prompt ({prompt_len} tokens) + max_new_tokens ({self.max_new_tokens}) needs {need / 2**20:.1f} "
                       f"MiB of KV cache; the limit is {limits.max_cache_bytes / 2**20:.1f} MiB", "max_new_tokens")
+
+    def _check_fairness(self, limits: Limits) -> None:
+        """The deployment's caps on denoising steps, temperatures and decoder work per request."""
+        _cap("max_denoising_steps", self.max_denoising_steps, limits.max_denoising_steps,
+             "max_denoising_steps ({}) exceeds the limit ({})")
+        for name in ("t_max", "ar_temperature"):
+            _cap(name, getattr(self, name), limits.max_temperature, "the temperature ({}) exceeds the limit ({})")
+        work = self.max_new_tokens * self.max_denoising_steps
+        if limits.max_token_steps is not None and work > limits.max_token_steps:
+            _fail(f"max_new_tokens ({self.max_new_tokens}) x max_denoising_steps ({self.max_denoising_steps}) = "
+                  f"{work} token-steps exceeds the limit ({limits.max_token_steps}); ask fewer tokens or steps",
+                  "max_new_tokens")
 
     def replace(self, **overrides: Any) -> SamplingParams:
         """A copy with `overrides` applied; None values mean "keep" (request fields left unset)."""
@@ -151,7 +176,7 @@ def _fail(message: str, param: str) -> None:
     raise SamplingParamsError(message, param)
 
 
-def _cap(param: str, value: int, cap: int | None, message: str) -> None:
+def _cap(param: str, value: float, cap: float | None, message: str) -> None:
     if cap is not None and value > cap:
         _fail(message.format(value, cap), param)
 

@@ -53,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to "
                    "finish after SIGTERM before they are aborted (default 30)")
     _add_time_arguments(p)
+    _add_fairness_arguments(p)
     p.add_argument("--cors-origin", action="append", default=[], help="allow browser calls from this origin "
                    "(repeatable; default: CORS off)")
     p.add_argument("--allowed-hosts", "--allowed-host", action="append", default=[], metavar="NAME[,NAME]",
@@ -84,6 +85,17 @@ def _add_time_arguments(p: argparse.ArgumentParser) -> None:
                    "the event loop (default 2)")
 
 
+def _add_fairness_arguments(p: argparse.ArgumentParser) -> None:
+    """Caps on what one request may cost the others; beyond them a request is refused with 400 naming the field
+    (a checkpoint default above a cap is lowered to it)."""
+    p.add_argument("--max-denoising-steps", type=int, help="most denoising steps per canvas a request may ask "
+                   "(dgemma_sampling.max_denoising_steps; default: no cap beyond 10,000)")
+    p.add_argument("--max-temperature", type=float, help="highest temperature a request may ask (temperature, "
+                   "dgemma_sampling.t_max; default: no cap)")
+    p.add_argument("--max-token-steps", type=int, help="most max_tokens x max_denoising_steps one request may "
+                   "ask: the decoder work it can cause (default: no cap)")
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     keys = list(args.api_key) + ([os.environ[KEY_ENV]] if os.environ.get(KEY_ENV) else [])
     return ServerConfig(
@@ -96,6 +108,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         request_timeout=args.request_timeout, header_timeout=args.header_timeout, body_timeout=args.body_timeout,
         keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
         max_cache_mb=args.max_cache_mb, prefix_cache_mb=args.prefix_cache_mb,
+        max_denoising_steps=args.max_denoising_steps, max_temperature=args.max_temperature,
+        max_token_steps=args.max_token_steps,
         images=limits_from_args(args, args.fetch_image_urls))
 
 

@@ -39,6 +39,9 @@ class ServerConfig:
     max_connections: int = 512  # open connections; more are answered 503 and closed
     max_cache_mb: float | None = None  # KV cache one request may need (prompt + max_tokens); None: no cap
     prefix_cache_mb: int = 1024  # earlier prompts' and answers' KV kept for reuse (diffusion mode); 0: none
+    max_denoising_steps: int | None = None  # fairness caps (diffusion): steps per canvas, None: no cap
+    max_temperature: float | None = None  # highest sampling temperature a request may ask
+    max_token_steps: int | None = None  # max_tokens x max_denoising_steps one request may ask
     images: ImageLimits = ImageLimits()  # image inputs: caps per image and request, whether URLs are fetched
 
     def __post_init__(self) -> None:
@@ -49,11 +52,13 @@ class ServerConfig:
         for name in ("max_queue", "prefix_cache_mb"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
-        for name in ("max_prompt_tokens", "max_tokens"):
+        for name in ("max_prompt_tokens", "max_tokens", "max_denoising_steps", "max_token_steps"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_n > self.capacity:
             raise ConfigError(f"--max-n ({self.max_n}) exceeds --max-concurrency + --max-queue ({self.capacity})")
+        if self.max_temperature is not None and not self.max_temperature > 0:
+            raise ConfigError("--max-temperature must be > 0")
         if self.max_cache_mb is not None and not self.max_cache_mb > 0:
             raise ConfigError("--max-cache-mb must be > 0")
         if self.shutdown_timeout < 0:
@@ -73,7 +78,10 @@ class ServerConfig:
     def limits(self) -> Limits:
         """The request caps, for the one request validator (SamplingParams.validate)."""
         cache = None if self.max_cache_mb is None else int(self.max_cache_mb * 2**20)
-        return Limits(self.max_prompt_tokens, self.max_tokens, self.max_stop, self.max_stop_chars, cache)
+        diffusion = self.mode == "diffusion"  # denoising steps mean nothing to the autoregressive mode
+        return Limits(self.max_prompt_tokens, self.max_tokens, self.max_stop, self.max_stop_chars, cache,
+                      self.max_denoising_steps if diffusion else None, self.max_temperature,
+                      self.max_token_steps if diffusion else None)
 
     @property
     def capacity(self) -> int:

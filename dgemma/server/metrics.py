@@ -70,6 +70,14 @@ class Metrics:
         self.rejected = Counter("dgemma_requests_rejected_total", "Requests refused before any model work.", "reason")
         self.prompt_tokens = Counter("dgemma_prompt_tokens_total", "Prompt tokens of admitted choices.")
         self.generation_tokens = Counter("dgemma_generation_tokens_total", "Tokens returned to clients.")
+        self.passes = Counter("dgemma_decoder_passes_total", "Decoder passes of the diffusion engine.")
+        self.pass_rows = Counter("dgemma_decoder_rows_total", "Rows summed over decoder passes (divided by the "
+                                 "passes: rows per pass).")
+        self.done_rows = Counter("dgemma_done_rows_total", "Rows carried in a decoder pass although their canvas "
+                                 "was already done (0 with per-row canvas clocks).")
+        self.done_seconds = Counter("dgemma_done_rows_seconds_total", "Engine-step seconds spent on rows already "
+                                    "done: each step's time times its share of done rows.")
+        self._seen = (0, 0, 0)  # the engine's (passes, rows, done_rows) at the last step
 
     # ---- recording: the event loop (choices) and the engine thread (engine figures) both call these --------
     def choice_finished(self, reason: str, e2e: float, ttft: float | None, tpot: float | None, tokens: int) -> None:
@@ -92,9 +100,25 @@ class Metrics:
             if tokens_per_forward is not None:
                 self.tpf.observe(tokens_per_forward)
 
-    def engine_step(self, rows: int) -> None:
+    def engine_step(self, running: int, stats=None, seconds: float = 0.0) -> None:
+        """One engine step: `running` sequences; `stats`: the engine's cumulative EngineStats (None for engines
+        without decoder-pass counts), `seconds`: the step's wall time."""
         with self._lock:
-            self.batch.observe(rows)
+            if running:
+                self.batch.observe(running)
+            if stats is not None:
+                self._count_passes((stats.passes, stats.rows, stats.done_rows), seconds)
+
+    def _count_passes(self, now: tuple[int, int, int], seconds: float) -> None:
+        """Add the step's share of the engine's cumulative counts (a fresh engine starts again from zero)."""
+        seen = self._seen if now[0] >= self._seen[0] else (0, 0, 0)
+        passes, rows, done = (a - b for a, b in zip(now, seen))
+        self._seen = now
+        self.passes.inc(amount=passes)
+        self.pass_rows.inc(amount=rows)
+        self.done_rows.inc(amount=done)
+        if rows:
+            self.done_seconds.inc(amount=seconds * done / rows)
 
     def admitted(self, prompt_tokens: int) -> None:
         with self._lock:
@@ -112,6 +136,7 @@ class Metrics:
                 lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name} {float(value)!r}"]
         with self._lock:
             for metric in (self.ttft, self.tpot, self.e2e, self.queue, self.steps, self.tpf, self.batch,
-                           self.finished, self.rejected, self.prompt_tokens, self.generation_tokens):
+                           self.finished, self.rejected, self.prompt_tokens, self.generation_tokens, self.passes,
+                           self.pass_rows, self.done_rows, self.done_seconds):
                 lines += metric.render()
         return "\n".join(lines) + "\n"

@@ -88,6 +88,7 @@ class Service:
             if model.tokenizer is None:
                 raise DgemmaError(f"{model.directory}: the server needs a tokenizer (tokenizer.json)")
             model.image_limits = self.config.images
+            model.defaults = self.config.limits.clamp(model.defaults)  # defaults within the fairness caps
             worker = Worker(lambda: model.runner(self.config.mode, "fast", self.config.max_concurrency,
                                                  self.prefix_cache), self.metrics)
             worker.start()
@@ -204,7 +205,8 @@ class Service:
         """One Plan per choice; every check is SamplingParams' (through `Model.check_request`)."""
         plans, prompt_tokens = [], 0
         tokens_param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
-        names = {"prompt": param, "max_new_tokens": tokens_param}
+        names = {"prompt": param, "max_new_tokens": tokens_param, "t_max": "temperature",
+                 "ar_temperature": "temperature"}
         names |= {k: f"dgemma_sampling.{k}" for k in _overrides(body)} | SEEDED_PARAMS
         limit = self.model.prompt_limit(self.config.limits)
         for prompt in prompts:

@@ -138,6 +138,7 @@ class Worker:
                 self._retire(rid)
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
         try:
             events = self.engine.step()
         except Exception:
@@ -146,8 +147,8 @@ class Worker:
             self._fail_all("error")
             self.engine = self._make_engine()
             return
-        if self.engine.num_running:
-            self.metrics.engine_step(self.engine.num_running)
+        self.metrics.engine_step(self.engine.num_running, getattr(self.engine, "stats", None),
+                                 time.perf_counter() - t0)
         self._deliver([(self._jobs[e.request_id].sink, e) for e in events if e.request_id in self._jobs])
         for e in events:
             if e.kind == "finish" and e.request_id in self._requests:
