@@ -121,7 +121,7 @@ def test_playground_attaches_an_image(tmp_path):
             page.fill("#seed", "5")
             page.fill("#max-tokens", "8")
             page.set_input_files("#image", str(path))
-            page.wait_for_function("document.getElementById('image-name').textContent === 'a.png'")
+            page.locator("#image-name", has_text="a.png").wait_for(timeout=30_000)  # no eval: the page's CSP forbids it
             page.fill("#prompt", "Describe it.")
             page.click("#send")
             page.wait_for_selector("body[data-state=done]", timeout=30_000)
