@@ -16,6 +16,7 @@ from dgemma.sampling.seeded import Layout
 MAX_NEW_TOKENS = 1_000_000
 MAX_DENOISING_STEPS = 10_000
 MAX_SEED = 2**64 - 1
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ class SamplingParams:
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             _fail(f"cache_salt={self.cache_salt!r} must be a string", "cache_salt")
         if self.logprobs is not None:
-            _int_in("logprobs", self.logprobs, 0, 20)
+            _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
             if self.seeded is not None:
                 _fail("logprobs with a suffix, template or edit are not supported", "logprobs")
         if self.seeded is not None:

@@ -11,6 +11,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr,
 from pydantic_core import PydanticCustomError
 
 from dgemma.sampling import Grammar, SamplingParamsError
+from dgemma.sampling.params import MAX_LOGPROBS
 from dgemma.server import tools as tool_calls
 from dgemma.server.formats import SEEDED, response_grammar, seeded_options
 
@@ -153,7 +154,7 @@ class OpenAIRequest(_Strict):
 class CompletionRequest(OpenAIRequest):
     prompt: Prompt = Field(description="text, several texts, token ids, or several token-id lists")
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(None, ge=1)
     suffix: Text | None = Field(None, description=(
         "infill: the text after the completion, held fixed in the canvas while the text between prompt and suffix "
@@ -256,7 +257,7 @@ class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens when both are set")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Text | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = Field(None, description="several calls in one reply (default true)")
