@@ -82,6 +82,8 @@ BAD = [
     ("stream_options without stream", X, {"messages": CHAT, "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
     ("drafts without stream", C, {"prompt": "hi", "dgemma_drafts": True}, 400, "dgemma_drafts"),
+    ("unknown dgemma_sampling field", C, {"prompt": "hi", "dgemma_sampling": {"early_comit": 2}}, 400,
+     "dgemma_sampling.early_comit"),
     ("messages missing", X, {"model": "tiny"}, 400, "messages"),
     ("messages null", X, {"messages": None}, 400, "messages"),
     ("messages a string", X, {"messages": "hello"}, 400, "messages"),

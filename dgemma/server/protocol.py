@@ -69,7 +69,10 @@ class StreamOptions(_Strict):
 
 
 class DgemmaSampling(_Strict):
-    """dgemma extension: the denoising options OpenAI has no field for (SamplingParams checks the ranges)."""
+    """dgemma extension: the denoising options OpenAI has no field for (SamplingParams checks the ranges). Ours,
+    so an unknown field is a mistake, not a newer OpenAI field: refused."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
     max_denoising_steps: int | None = Field(None, description="most denoising steps per canvas")
     entropy_bound: float | None = Field(None, description="entropy budget of the positions one step accepts")
