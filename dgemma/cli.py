@@ -48,6 +48,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model.image_limits = limits
     options = {"max_new_tokens": args.max_new_tokens, "max_denoising_steps": args.steps, "t_min": args.t_min,
                "t_max": args.t_max, "entropy_bound": args.entropy_bound, "seed": args.seed,
+               "early_commit": args.early_commit, "early_stop": args.early_stop,
                "stop": tuple(args.stop) or None, "ar_temperature": args.ar_temperature,
                "mode": args.mode, "sampling": args.sampling, "grammar": _grammar(args)}
     if args.json:
@@ -62,7 +63,9 @@ def _check_mode_options(args: argparse.Namespace) -> None:
     """Options of the other decoding mode would be ignored: refuse them instead."""
     if args.mode == "autoregressive":
         given = [flag for flag, value in (("--steps", args.steps), ("--t-min", args.t_min), ("--t-max", args.t_max),
-                                          ("--entropy-bound", args.entropy_bound)) if value is not None]
+                                          ("--entropy-bound", args.entropy_bound),
+                                          ("--early-commit", args.early_commit), ("--early-stop", args.early_stop))
+                 if value is not None]
         given += ["--sampling reference"] * (args.sampling == "reference")
         if given:
             raise DgemmaError(f"{given[0]} applies to diffusion decoding; --mode autoregressive samples with "
@@ -112,6 +115,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--t-min", type=float, help="final temperature of the linear schedule")
     p.add_argument("--t-max", type=float, help="initial temperature of the linear schedule")
     p.add_argument("--entropy-bound", type=float, help="entropy budget for accepting tokens per step")
+    p.add_argument("--early-commit", type=int, metavar="N",
+                   help="stream a canvas's left prefix once stable for N steps, before the canvas ends (default off)")
+    p.add_argument("--early-stop", type=float, metavar="H",
+                   help="end a canvas once its mean token entropy is below H, stable or not (default off)")
     p.add_argument("--seed", type=int, help="random seed (same seed, same output)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--sampling", choices=SAMPLINGS, default=SAMPLINGS[0],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -53,6 +53,8 @@ class Request:
     grammar: RowGrammar | None = None  # the request's grammar state, when its params carry a grammar
     seeded: SeedState | None = None  # its progress through a seeded layout (fixed tokens and holes)
     canvas_logprobs: list[Entry] | None = None  # this canvas's, when params.logprobs is set (sampling/logprobs.py)
+    sent: int = 0  # ids of this canvas committed early (params.early_commit), ahead of its commit
+    early: Any = None  # early commit's history of this canvas (engine/features/early_commit.py)
 
     @property
     def budget(self) -> int:
@@ -86,12 +88,21 @@ class Request:
         self.output.extend(new)
         self.stats.t_first_commit = self.stats.t_first_commit or time.perf_counter()
         logprobs, self.canvas_logprobs = self.canvas_logprobs, None
-        events.append(Event(self.id, "commit", new, logprobs=None if logprobs is None else logprobs[:len(new)]))
+        sent, self.sent = self.sent, 0  # the first `sent` ids went out already (`send`)
+        events.append(Event(self.id, "commit", new[sent:],
+                            logprobs=None if logprobs is None else logprobs[sent:len(new)]))
         if hit_eos:
             self.stats.eos_tokens += 1
             self.finish("stop", events)
         elif self.budget <= 0:
             self.finish("length", events)
+
+    def send(self, ids: list[int], logprobs: list[Entry] | None, events: list[Event]) -> None:
+        """Commit the next `ids` of the current canvas before it ends (early commit); the canvas's own commit
+        appends them to `output` with the rest and sends only the rest."""
+        self.sent += len(ids)
+        self.stats.t_first_commit = self.stats.t_first_commit or time.perf_counter()
+        events.append(Event(self.id, "commit", ids, logprobs=logprobs, ends_canvas=False))
 
     def finish(self, reason: str, events: list[Event] | None = None) -> None:
         self.finish_reason = reason
@@ -103,7 +114,8 @@ class Request:
 @dataclass
 class Event:
     """draft: the visible part of the current canvas (`accepted`: which of its positions the step kept);
-    commit: newly committed ids; finish: the request ended."""
+    commit: newly committed ids (`ends_canvas` False: an early commit, its canvas goes on); finish: the request
+    ended."""
 
     request_id: str
     kind: Literal["draft", "commit", "finish"]
@@ -111,3 +123,4 @@ class Event:
     finish_reason: str | None = None
     logprobs: list[Entry] | None = None  # commit: one entry per committed id, when the request asked
     accepted: list[bool] = field(default_factory=list)
+    ends_canvas: bool = True

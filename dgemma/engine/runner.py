@@ -18,6 +18,7 @@ _ids = itertools.count()
 class Runner:
     constrains = False  # follows request grammars
     seeds = False  # follows seeded layouts (suffix, template, edit)
+    commits_early = False  # runs the row features' step hooks: early commit, early stop
 
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], features: tuple[Feature, ...] = FEATURES):
         self.model, self.features = model, features

@@ -65,6 +65,8 @@ class SamplingParams:
     seeded: Layout | None = None  # fixed tokens and holes (sampling/seeded.py); sets max_new_tokens
     logprobs: int | None = None  # report log-probabilities with this many alternatives (sampling/logprobs.py)
     cache_salt: str | None = None  # prefix-cache partition: only prefixes cached under the same salt are reused
+    early_commit: int | None = None  # commit a canvas's left prefix once stable this many steps (sampling/early.py)
+    early_stop: float | None = None  # end a canvas once its mean token entropy is below this, stable or not
 
     def __post_init__(self) -> None:
         # Normalise containers so the object stays hashable: a bare str / int means a 1-tuple.
@@ -106,12 +108,24 @@ class SamplingParams:
             _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
             if self.seeded is not None:
                 _fail("logprobs with a suffix, template or edit are not supported", "logprobs")
+        self._check_early()
         if self.seeded is not None:
             if not isinstance(self.seeded, Layout):
                 _fail("seeded must be a dgemma.sampling.seeded.Layout", "seeded")
             self.seeded.check()
             if self.grammar is not None:
                 _fail("a grammar and a seeded canvas (suffix, template, edit) cannot be combined", self.seeded.param)
+
+    def _check_early(self) -> None:
+        """early_commit: steps a position must stay unchanged; it commits text before the canvas ends, which a
+        grammar's or a layout's whole-canvas rules cannot follow. early_stop: an entropy threshold."""
+        if self.early_stop is not None:
+            _positive("early_stop", self.early_stop)
+        if self.early_commit is None:
+            return
+        _int_in("early_commit", self.early_commit, 1, MAX_DENOISING_STEPS)
+        if self.grammar is not None or self.seeded is not None:
+            _fail("early_commit cannot be combined with a grammar or a suffix, template or edit", "early_commit")
 
     def validate(self, vocab_size: int | None = None, max_context: int | None = None, prompt_len: int = 0,
                  limits: Limits = Limits(), cache_bytes: Callable[[int], int] | None = None) -> None:

@@ -78,6 +78,11 @@ class DgemmaSampling(_Strict):
     entropy_bound: float | None = Field(None, description="entropy budget of the positions one step accepts")
     t_min: float | None = Field(None, description="temperature at the last step (instead of `temperature`)")
     t_max: float | None = Field(None, description="temperature at the first step (instead of `temperature`)")
+    early_commit: int | None = Field(None, description=(
+        "stream a canvas's left prefix once each of its positions kept its token for this many steps, before the "
+        "canvas ends (the text sent never changes); omitted: off"))
+    early_stop: float | None = Field(None, description=(
+        "end a canvas once its mean token entropy is below this, stable or not; omitted: off"))
 
     def overrides(self) -> dict[str, Any]:
         return {k: v for k, v in self.model_dump().items() if v is not None}
@@ -115,8 +120,8 @@ class OpenAIRequest(_Strict):
         "with an empty delta and a `dgemma_draft` field that standard clients ignore: the canvas's `token_ids`, "
         "`text`, each position's own text (`tokens`) and whether the step accepted it (`accepted`)"))
     dgemma_sampling: DgemmaSampling | None = Field(None, description=(
-        "dgemma extension: denoising steps, entropy bound and the temperature schedule; omitted fields keep the "
-        "checkpoint's (GET /v1/models shows them)"))
+        "dgemma extension: denoising steps, entropy bound, the temperature schedule, early commit and early stop; "
+        "omitted fields keep the checkpoint's (GET /v1/models shows them)"))
 
     def unsupported(self) -> tuple[str, str] | None:
         """The first field that asks for a feature this server does not have: (param, what)."""

@@ -3,10 +3,12 @@ feature is one module here and one entry below; the order is the order the hooks
 
 from dgemma.engine.features.base import Feature, Step
 from dgemma.engine.features.drafts import Drafts
+from dgemma.engine.features.early_commit import EarlyCommit
+from dgemma.engine.features.early_stop import EarlyStop
 from dgemma.engine.features.grammar import Grammar
 from dgemma.engine.features.infill import Infill
 from dgemma.engine.features.logprobs import Logprobs
 
-FEATURES: tuple[Feature, ...] = (Infill(), Grammar(), Logprobs(), Drafts())
+FEATURES: tuple[Feature, ...] = (EarlyStop(), Infill(), Grammar(), Logprobs(), EarlyCommit(), Drafts())
 
 __all__ = ["FEATURES", "Feature", "Step"]

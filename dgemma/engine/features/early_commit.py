@@ -1,0 +1,79 @@
+"""Early commit: a row's stable left prefix (sampling/early.py) is committed while its canvas still denoises and
+held fixed in the canvas from then on; each step's newly frozen ids go out as a commit event that does not end
+the canvas (`Event.ends_canvas`), with their logprobs from that step when the request asks. The canvas's own
+commit then sends only the rest (`Request.sent`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dgemma.engine.features.base import Feature, Step
+from dgemma.engine.request import Event, Request
+from dgemma.sampling import SamplingParamsError
+from dgemma.sampling.early import frozen_length, hold_prefix, stable_runs
+from dgemma.sampling.logprobs import canvas_logprobs
+
+
+@dataclass
+class History:
+    """One row's canvas so far: the last draft [C] and each position's stable run [C]."""
+
+    prev: Tensor
+    run: Tensor
+
+
+class EarlyCommit(Feature):
+    def attach(self, req: Request, runner) -> None:
+        if req.params.early_commit is not None and not runner.commits_early:
+            raise SamplingParamsError("early_commit needs fast diffusion decoding", "early_commit")
+
+    def start(self, rows: list[Request], tokens: Tensor) -> None:
+        for r in rows:
+            r.sent, r.early = 0, None
+
+    def step(self, s: Step) -> None:
+        held = [i for i, r in enumerate(s.rows) if r.sent and not r.finished and not s.canvas.done[i]]
+        if held:
+            index = torch.tensor(held, device=s.out.argmax.device)
+            ids = s.out.argmax.index_copy(0, index, torch.stack([s.rows[i].early.prev for i in held]))
+            frozen = torch.zeros(len(s.rows), dtype=torch.long, device=ids.device)
+            frozen[index] = torch.tensor([s.rows[i].sent for i in held], device=ids.device)
+            s.out = hold_prefix(s.out, ids, frozen)
+
+    def settle(self, s: Step) -> None:
+        ending = s.ending()
+        live = [i for i, r in enumerate(s.rows)
+                if r.params.early_commit is not None and not r.finished and not ending[i]]
+        if not live:
+            return
+        rows, index = [s.rows[i] for i in live], torch.tensor(live, device=s.canvas.argmax.device)
+        argmax = s.canvas.argmax[index]
+        prev = torch.stack([torch.full_like(argmax[0], -1) if r.early is None else r.early.prev for r in rows])
+        run = torch.stack([torch.zeros_like(argmax[0]) if r.early is None else r.early.run for r in rows])
+        run = stable_runs(prev, argmax, s.canvas.accepted[index], run)
+        frozen = frozen_length(run, argmax, _table([[r.params.early_commit] for r in rows], argmax)[:, 0],
+                               _table([list(r.eos) or [-1] for r in rows], argmax),
+                               _table([[min(r.budget, argmax.shape[1])] for r in rows], argmax)[:, 0])
+        for r, p, n in zip(rows, argmax, run):
+            r.early = History(p, n)
+        grown = [(k, i, n) for k, (i, n) in enumerate(zip(live, frozen.tolist())) if n > s.rows[i].sent]
+        if grown:
+            _send(s, argmax, grown)
+
+
+def _send(s: Step, argmax: Tensor, grown: list[tuple[int, int, int]]) -> None:
+    """Commit each grown row's newly frozen ids (k: its index among the live rows, i: in the batch, n: frozen)."""
+    drafts = argmax[torch.tensor([k for k, _, _ in grown], device=argmax.device)].tolist()
+    for (_, i, n), ids in zip(grown, drafts):
+        r = s.rows[i]
+        logprobs = None if r.params.logprobs is None else canvas_logprobs(
+            s.hidden[i, r.sent:n], ids[r.sent:n], s.head, float(s.inv_temp[i]), r.params.logprobs)
+        r.send(ids[r.sent:n], logprobs, s.events)
+
+
+def _table(values: list[list[int]], like: Tensor) -> Tensor:
+    width = max(len(v) for v in values)
+    return torch.tensor([v + [-1] * (width - len(v)) for v in values], device=like.device)
