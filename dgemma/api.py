@@ -262,7 +262,7 @@ class Model:
         if (seeded is not None and (mode, sampling) != ("diffusion", "fast")) or (grammar and sampling != "fast"):
             raise SamplingParamsError("constrained and seeded output need the fast sampler (seeded: in diffusion "
                                       "mode)", (seeded or grammar).param)
-        for name in ("logprobs", "early_commit", "early_stop"):
+        for name in ("logprobs", "early_commit", "early_stop", "target_canvas_ms"):
             if getattr(params, name) is not None and (mode, sampling) != ("diffusion", "fast"):
                 raise SamplingParamsError(f"{name} needs fast diffusion decoding", name)
         if seeded is not None and not params.eos_token_ids:

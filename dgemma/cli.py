@@ -49,6 +49,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     options = {"max_new_tokens": args.max_new_tokens, "max_denoising_steps": args.steps, "t_min": args.t_min,
                "t_max": args.t_max, "entropy_bound": args.entropy_bound, "seed": args.seed,
                "early_commit": args.early_commit, "early_stop": args.early_stop,
+               "target_canvas_ms": args.target_canvas_ms,
                "stop": tuple(args.stop) or None, "ar_temperature": args.ar_temperature,
                "mode": args.mode, "sampling": args.sampling, "grammar": _grammar(args)}
     if args.json:
@@ -64,7 +65,8 @@ def _check_mode_options(args: argparse.Namespace) -> None:
     if args.mode == "autoregressive":
         given = [flag for flag, value in (("--steps", args.steps), ("--t-min", args.t_min), ("--t-max", args.t_max),
                                           ("--entropy-bound", args.entropy_bound),
-                                          ("--early-commit", args.early_commit), ("--early-stop", args.early_stop))
+                                          ("--early-commit", args.early_commit), ("--early-stop", args.early_stop),
+                                          ("--target-canvas-ms", args.target_canvas_ms))
                  if value is not None]
         given += ["--sampling reference"] * (args.sampling == "reference")
         if given:
@@ -119,6 +121,8 @@ def _add_generate(sub) -> None:
                    help="stream a canvas's left prefix once stable for N steps, before the canvas ends (default off)")
     p.add_argument("--early-stop", type=float, metavar="H",
                    help="end a canvas once its mean token entropy is below H, stable or not (default off)")
+    p.add_argument("--target-canvas-ms", type=float, metavar="MS",
+                   help="each canvas's step budget: the steps that fit MS at the measured step time (default off)")
     p.add_argument("--seed", type=int, help="random seed (same seed, same output)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--sampling", choices=SAMPLINGS, default=SAMPLINGS[0],

@@ -91,7 +91,8 @@ def test_what_cannot_compose_is_refused(model):
     with pytest.raises(SamplingParamsError) as e:
         SamplingParams(early_commit=2, grammar=Grammar.regex("[a-z]+"))
     assert e.value.param == "early_commit"
-    for bad in ({"early_commit": 0}, {"early_commit": 1.5}, {"early_stop": -1.0}, {"early_stop": float("nan")}):
+    for bad in ({"early_commit": 0}, {"early_commit": 1.5}, {"early_stop": -1.0}, {"early_stop": float("nan")},
+                {"target_canvas_ms": 0}):
         with pytest.raises(SamplingParamsError) as e:
             SamplingParams(**bad)
         assert e.value.param == next(iter(bad))
@@ -104,7 +105,7 @@ def test_cli_flags(capsys):
     from dgemma.cli import main
 
     assert main(["generate", PROMPT, "--max-new-tokens", "8", "--seed", "1", "--early-commit", "2",
-                 "--early-stop", "0.01", "--json"]) == 0
+                 "--early-stop", "0.01", "--target-canvas-ms", "500", "--json"]) == 0
     assert '"token_ids"' in capsys.readouterr().out
     assert main(["generate", PROMPT, "--mode", "autoregressive", "--early-commit", "2"]) != 0
     assert "--early-commit applies to diffusion decoding" in capsys.readouterr().err
@@ -129,3 +130,17 @@ def test_server_streams_content_before_the_first_canvas_ends():
         assert e.value.body["param"] == "dgemma_sampling.early_commit"
     finally:
         s.stop()
+
+
+def test_latency_target_picks_the_step_budget_from_the_measured_step_time(model):
+    """With a measured step time of 1 s, a 2,500 ms target leaves each canvas 2 steps: the same ids as asking for
+    2 steps; the engine then measures its own steps."""
+    base = model.defaults.replace(max_new_tokens=32, seed=5)
+    engine = Engine(model.module, model.defaults.eos_token_ids or (), model.pad_id)
+    engine.step_seconds = 1.0
+    req = engine.add_request(model.encode_prompt(PROMPT), base.replace(target_canvas_ms=2500.0))
+    for _ in engine.stream():
+        pass
+    (two,), _ = _engine_run(model, [base.replace(max_denoising_steps=2)])
+    assert req.stats.steps_per_canvas == [2] and req.output == two.output
+    assert 0 < engine.step_seconds < 1.0

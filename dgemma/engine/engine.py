@@ -15,6 +15,7 @@ sampling is `ReferenceRunner`'s job.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -29,6 +30,7 @@ from dgemma.model import DiffusionGemma
 from dgemma.model.diffusion_gemma import PREFILL_CHUNK
 from dgemma.sampling import random_tokens
 from dgemma.sampling.fused import fast_step
+from dgemma.sampling.latency import measured
 
 __all__ = ["Engine", "EngineStats", "prefill_groups"]
 
@@ -54,6 +56,7 @@ class Engine(Runner):
         self.pad_id, self.max_batch, self.prefix_cache, self.row_clocks = pad_id, max_batch, prefix_cache, row_clocks
         self.canvas_length = model.cfg.canvas_length
         self.stats = EngineStats()
+        self.step_seconds: float | None = None  # measured wall time of a denoising step (latency targets)
 
     # ---- public API -------------------------------------------------------------------------------------
     @property
@@ -85,7 +88,9 @@ class Engine(Runner):
         if self.row_clocks or self.batch is None or self.batch.canvas is None:
             self._turnover()
         if self.batch is not None:
+            t = time.perf_counter()
             self._denoise_step(events)
+            self.step_seconds = measured(self.step_seconds, time.perf_counter() - t)
         return events
 
     # ---- between steps ----------------------------------------------------------------------------------
@@ -118,6 +123,8 @@ class Engine(Runner):
         """A new canvas for these rows: noise from each row's generator, then the features' start."""
         tokens = random_tokens((len(rows), self.canvas_length), self.model.cfg.text.vocab_size, self.model.device,
                                [r.generator for r in rows])
+        for r in rows:
+            r.step_seconds = self.step_seconds
         for f in self.features:
             f.start(rows, tokens)
         return Canvas.start(rows, tokens)

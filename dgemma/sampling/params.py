@@ -67,6 +67,7 @@ class SamplingParams:
     cache_salt: str | None = None  # prefix-cache partition: only prefixes cached under the same salt are reused
     early_commit: int | None = None  # commit a canvas's left prefix once stable this many steps (sampling/early.py)
     early_stop: float | None = None  # end a canvas once its mean token entropy is below this, stable or not
+    target_canvas_ms: float | None = None  # each canvas's step budget from the engine's measured step time
 
     def __post_init__(self) -> None:
         # Normalise containers so the object stays hashable: a bare str / int means a 1-tuple.
@@ -108,7 +109,7 @@ class SamplingParams:
             _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
             if self.seeded is not None:
                 _fail("logprobs with a suffix, template or edit are not supported", "logprobs")
-        self._check_early()
+        self._check_speed()
         if self.seeded is not None:
             if not isinstance(self.seeded, Layout):
                 _fail("seeded must be a dgemma.sampling.seeded.Layout", "seeded")
@@ -116,11 +117,14 @@ class SamplingParams:
             if self.grammar is not None:
                 _fail("a grammar and a seeded canvas (suffix, template, edit) cannot be combined", self.seeded.param)
 
-    def _check_early(self) -> None:
+    def _check_speed(self) -> None:
         """early_commit: steps a position must stay unchanged; it commits text before the canvas ends, which a
-        grammar's or a layout's whole-canvas rules cannot follow. early_stop: an entropy threshold."""
+        grammar's or a layout's whole-canvas rules cannot follow. early_stop: an entropy threshold; target_canvas_ms: a
+        canvas's wall time in milliseconds."""
         if self.early_stop is not None:
             _positive("early_stop", self.early_stop)
+        if self.target_canvas_ms is not None:
+            _positive("target_canvas_ms", self.target_canvas_ms)
         if self.early_commit is None:
             return
         _int_in("early_commit", self.early_commit, 1, MAX_DENOISING_STEPS)

@@ -83,6 +83,9 @@ class DgemmaSampling(_Strict):
         "canvas ends (the text sent never changes); omitted: off"))
     early_stop: float | None = Field(None, description=(
         "end a canvas once its mean token entropy is below this, stable or not; omitted: off"))
+    target_canvas_ms: float | None = Field(None, description=(
+        "milliseconds per canvas: each canvas's step budget is what fits this at the server's measured step time "
+        "(at most max_denoising_steps); omitted: off"))
 
     def overrides(self) -> dict[str, Any]:
         return {k: v for k, v in self.model_dump().items() if v is not None}

@@ -7,8 +7,9 @@ from dgemma.engine.features.early_commit import EarlyCommit
 from dgemma.engine.features.early_stop import EarlyStop
 from dgemma.engine.features.grammar import Grammar
 from dgemma.engine.features.infill import Infill
+from dgemma.engine.features.latency import LatencyTarget
 from dgemma.engine.features.logprobs import Logprobs
 
-FEATURES: tuple[Feature, ...] = (EarlyStop(), Infill(), Grammar(), Logprobs(), EarlyCommit(), Drafts())
+FEATURES: tuple[Feature, ...] = (LatencyTarget(), EarlyStop(), Infill(), Grammar(), Logprobs(), EarlyCommit(), Drafts())
 
 __all__ = ["FEATURES", "Feature", "Step"]
