@@ -24,6 +24,14 @@ def frozen_length(run: Tensor, argmax: Tensor, need: Tensor, eos: Tensor, limit:
     return torch.minimum(ok.long().cumprod(-1).sum(-1), limit)
 
 
+def settled(run: Tensor, argmax: Tensor, need: Tensor, eos: Tensor, frozen: Tensor, limit: Tensor) -> Tensor:
+    """[B] rows with nothing left to denoise: their frozen prefix fills their budget, or the position after it is
+    an EOS stable for as long (the commit cuts there, so the text is decided)."""
+    at = frozen.clamp(max=argmax.shape[1] - 1)[:, None]
+    next_eos = (argmax.gather(1, at) == eos).any(-1) & (run.gather(1, at)[:, 0] >= need)
+    return (frozen >= limit) | (next_eos & (frozen < argmax.shape[1]))
+
+
 def hold_prefix(out: StepOutput, ids: Tensor, frozen: Tensor) -> StepOutput:
     """The step's output with each row's first `frozen` [B] positions set to `ids` [B, C] (input, draft and
     accepted)."""

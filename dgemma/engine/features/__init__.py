@@ -10,6 +10,7 @@ from dgemma.engine.features.infill import Infill
 from dgemma.engine.features.latency import LatencyTarget
 from dgemma.engine.features.logprobs import Logprobs
 
-FEATURES: tuple[Feature, ...] = (LatencyTarget(), EarlyStop(), Infill(), Grammar(), Logprobs(), EarlyCommit(), Drafts())
+FEATURES: tuple[Feature, ...] = (LatencyTarget(), EarlyStop(), Infill(), Grammar(), EarlyCommit(), Logprobs(),
+                                  Drafts())
 
 __all__ = ["FEATURES", "Feature", "Step"]
