@@ -144,3 +144,29 @@ def test_latency_target_picks_the_step_budget_from_the_measured_step_time(model)
     (two,), _ = _engine_run(model, [base.replace(max_denoising_steps=2)])
     assert req.stats.steps_per_canvas == [2] and req.output == two.output
     assert 0 < engine.step_seconds < 1.0
+
+
+def test_the_frozen_prefix_rule_against_a_loop():
+    """frozen_length / settled / stable_runs against the rule written position by position."""
+    import torch
+
+    from dgemma.sampling.early import frozen_length, settled, stable_runs
+
+    g = torch.Generator().manual_seed(0)
+    prev, argmax = torch.randint(0, 4, (64, 12), generator=g), torch.randint(0, 4, (64, 12), generator=g)
+    accepted, run = torch.rand(64, 12, generator=g) < 0.8, torch.randint(0, 4, (64, 12), generator=g)
+    need, limit = torch.randint(1, 4, (64,), generator=g), torch.randint(0, 13, (64,), generator=g)
+    eos = torch.tensor([[3, -1]] * 32 + [[-1, -1]] * 32)
+    old, run = run, stable_runs(prev, argmax, accepted, run)
+    assert all(run[b, n] == (old[b, n] + 1 if argmax[b, n] == prev[b, n] and accepted[b, n] else 0)
+               for b in range(64) for n in range(12))
+    frozen = frozen_length(run, argmax, need, eos, limit)
+    done = settled(run, argmax, need, eos, frozen, limit)
+    for b in range(64):
+        n = 0
+        while n < 12 and run[b, n] >= need[b] and int(argmax[b, n]) not in eos[b].tolist():
+            n += 1
+        n = min(n, int(limit[b]))
+        assert frozen[b] == n
+        stable_eos = n < 12 and int(argmax[b, n]) in eos[b].tolist() and run[b, n] >= need[b]
+        assert bool(done[b]) == (n >= limit[b] or stable_eos)
