@@ -9,7 +9,7 @@ benchmarks/quality/evaluate.py, gives its accuracy).
     python benchmarks/early_commit.py [--model DIR] [--chats 8] [--max-tokens 64] [--early-commit 1,2,3]
 
 Last stdout line: JSON {variants: {name: {ttft_seconds_median, start_seconds_median, ttft_after_start_median,
-seconds_median, tokens_per_second, same_text_as_defaults, ttft_ratio, ttft_after_start_ratio}}, settings,
+seconds_median, tokens_per_second, same_text_as_defaults, ttft_ratio, ttft_after_start_ratio, ttft_ratio_paired_median}}, settings,
 machine}.
 """
 
@@ -109,6 +109,9 @@ def main() -> None:
         proc.terminate()
         proc.wait(30)
     out = {name: summarise(r, rows["defaults"]) for name, r in rows.items()}
+    for name, r in rows.items():  # chat by chat (same prompt and seed), less exposed to the machine's load
+        out[name]["ttft_ratio_paired_median"] = statistics.median(
+            a["ttft"] / b["ttft"] for a, b in zip(r, rows["defaults"]) if a["ttft"] and b["ttft"])
     for v in out.values():
         v["ttft_ratio"] = v["ttft_seconds_median"] / out["defaults"]["ttft_seconds_median"]
         v["ttft_after_start_ratio"] = v["ttft_after_start_median"] / out["defaults"]["ttft_after_start_median"]
