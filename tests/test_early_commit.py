@@ -133,8 +133,8 @@ def test_server_streams_content_before_the_first_canvas_ends():
 
 
 def test_latency_target_picks_the_step_budget_from_the_measured_step_time(model):
-    """With a measured step time of 1 s, a 2,500 ms target leaves each canvas 2 steps: the same ids as asking for
-    2 steps; the engine then measures its own steps."""
+    """With a measured step time of 1 s, a 2,500 ms target leaves a canvas 2 steps: the same ids as asking for 2
+    steps (the budget is set after the first step, which runs at t_max under every schedule)."""
     base = model.defaults.replace(max_new_tokens=32, seed=5)
     engine = Engine(model.module, model.defaults.eos_token_ids or (), model.pad_id)
     engine.step_seconds = 1.0
@@ -144,6 +144,9 @@ def test_latency_target_picks_the_step_budget_from_the_measured_step_time(model)
     (two,), _ = _engine_run(model, [base.replace(max_denoising_steps=2)])
     assert req.stats.steps_per_canvas == [2] and req.output == two.output
     assert 0 < engine.step_seconds < 1.0
+    # a fresh engine measures its first step, then budgets: a tiny target leaves one step per canvas after it
+    result = model.generate(PROMPT, max_new_tokens=96, seed=5, target_canvas_ms=1e-3)
+    assert result.stats["steps_per_canvas"] == [2, 1, 1]
 
 
 def test_the_frozen_prefix_rule_against_a_loop():

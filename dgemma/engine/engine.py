@@ -123,8 +123,6 @@ class Engine(Runner):
         """A new canvas for these rows: noise from each row's generator, then the features' start."""
         tokens = random_tokens((len(rows), self.canvas_length), self.model.cfg.text.vocab_size, self.model.device,
                                [r.generator for r in rows])
-        for r in rows:
-            r.step_seconds = self.step_seconds
         for f in self.features:
             f.start(rows, tokens)
         return Canvas.start(rows, tokens)
@@ -140,7 +138,7 @@ class Engine(Runner):
         inv_temp = 1.0 / cv.temperature()
         out, signal = fast_step(hidden, model.lm_head, inv_temp, cv.entropy_bound, [r.generator for r in b.rows],
                                 cv.done, want_signal=not cv.last_step(b.rows))
-        s = Step(b.rows, cv, hidden, model.lm_head, inv_temp, out, events)
+        s = Step(b.rows, cv, hidden, model.lm_head, inv_temp, out, events, self.step_seconds)
         for f in self.features:
             f.step(s)
         cv.advance(b.rows, s.out, signal)

@@ -55,8 +55,7 @@ class Request:
     canvas_logprobs: list[Entry] | None = None  # this canvas's, when params.logprobs is set (sampling/logprobs.py)
     sent: int = 0  # ids of this canvas committed early (params.early_commit), ahead of its commit
     early: Any = None  # early commit's history of this canvas (engine/features/early_commit.py)
-    step_seconds: float | None = None  # the engine's measured step time when this canvas started (latency target)
-    step_cap: int = 0  # its own max_denoising_steps, when a latency target sets each canvas's (features/latency.py)
+    latency: Any = None  # a latency target's state: the request's own step cap (engine/features/latency.py)
 
     @property
     def budget(self) -> int:

@@ -1,16 +1,24 @@
-"""Latency target: when a row's canvas starts, its step budget (`max_denoising_steps`, so its temperature
-schedule too) becomes what fits the request's `target_canvas_ms` at the engine's measured step time
-(`Request.step_seconds`, set by the engine; the rule: sampling/latency.py). Before any step was measured a canvas
-keeps the request's own budget."""
+"""Latency target: once the engine has measured its step time (`Step.step_seconds`), each canvas of a request
+with `target_canvas_ms` gets the step budget that fits it (`max_denoising_steps`, capped by the request's own)
+and the temperature schedule of that budget (`Canvas.reschedule`), after its first step; every schedule starts at
+t_max, so that first step is the same either way. The rule: sampling/latency.py."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import Tensor
 
-from dgemma.engine.features.base import Feature
+from dgemma.engine.features.base import Feature, Step
 from dgemma.engine.request import Request
 from dgemma.sampling import SamplingParamsError
 from dgemma.sampling.latency import step_budget
+
+
+@dataclass
+class Budget:
+    cap: int  # the request's own max_denoising_steps
+    chosen: bool = False  # this canvas's budget is chosen
 
 
 class LatencyTarget(Feature):
@@ -18,10 +26,18 @@ class LatencyTarget(Feature):
         if req.params.target_canvas_ms is not None:
             if not runner.commits_early:
                 raise SamplingParamsError("target_canvas_ms needs fast diffusion decoding", "target_canvas_ms")
-            req.step_cap = req.params.max_denoising_steps
+            req.latency = Budget(req.params.max_denoising_steps)
 
     def start(self, rows: list[Request], tokens: Tensor) -> None:
         for r in rows:
-            if r.params.target_canvas_ms is not None and r.step_seconds is not None:
-                steps = step_budget(r.params.target_canvas_ms, r.step_seconds, r.step_cap)
-                r.params = r.params.replace(max_denoising_steps=steps)
+            if r.latency is not None:
+                r.latency.chosen = False
+
+    def settle(self, s: Step) -> None:
+        if s.step_seconds is None:
+            return
+        for i, r in enumerate(s.rows):
+            if r.latency is not None and not r.latency.chosen and not r.finished and not s.canvas.done[i]:
+                steps = step_budget(r.params.target_canvas_ms, s.step_seconds, r.latency.cap)
+                r.params, r.latency.chosen = r.params.replace(max_denoising_steps=steps), True
+                s.canvas.reschedule(i, r.params)
