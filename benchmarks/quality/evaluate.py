@@ -48,6 +48,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "early_commit_3": {"early_commit": 3},
     "early_stop_0.05": {"early_stop": 0.05},
     "early_stop_0.2": {"early_stop": 0.2},
+    "target_canvas_ms_50": {"target_canvas_ms": 50.0},
 }
 DEFAULT_VARIANTS = ("defaults", "max_steps_16", "max_steps_8", "entropy_bound_2", "autoregressive")
 
