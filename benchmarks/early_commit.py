@@ -9,8 +9,8 @@ benchmarks/quality/evaluate.py, gives its accuracy).
     python benchmarks/early_commit.py [--model DIR] [--chats 8] [--max-tokens 64] [--early-commit 1,2,3]
 
 Last stdout line: JSON {variants: {name: {ttft_seconds_median, start_seconds_median, ttft_after_start_median,
-seconds_median, tokens_per_second, same_text_as_defaults, ttft_ratio, ttft_after_start_ratio, ttft_ratio_paired_median}}, settings,
-machine}.
+seconds_median, tokens_per_second, same_text_as_defaults, ttft_ratio, ttft_after_start_ratio,
+ttft_ratio_paired_median}}, settings, machine}.
 """
 
 from __future__ import annotations

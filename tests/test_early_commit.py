@@ -126,7 +126,8 @@ def test_server_streams_content_before_the_first_canvas_ends():
                      else "text" if c.choices[0].delta.content else None for c in chunks if c.choices]
             assert (0 in kinds[kinds.index("text"):]) is early  # a draft of the first canvas after the first text
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(**kw | {"stream": False}, extra_body={"dgemma_sampling": {"early_commit": 0}})
+            client.chat.completions.create(**kw | {"stream": False},
+                                           extra_body={"dgemma_sampling": {"early_commit": 0}})
         assert e.value.body["param"] == "dgemma_sampling.early_commit"
     finally:
         s.stop()

@@ -67,7 +67,8 @@ def _freeze(rows: list[Request], argmax: Tensor, accepted: Tensor) -> tuple[list
     run = stable_runs(prev, argmax, accepted, run)
     for r, p, n in zip(rows, argmax, run):
         r.early = History(p, n)
-    need, eos = _table([[r.params.early_commit] for r in rows], argmax)[:, 0], _table([list(r.eos) for r in rows], argmax)
+    need = _table([[r.params.early_commit] for r in rows], argmax)[:, 0]
+    eos = _table([list(r.eos) for r in rows], argmax)
     limit = _table([[min(r.budget, argmax.shape[1])] for r in rows], argmax)[:, 0]
     frozen = torch.maximum(frozen_length(run, argmax, need, eos, limit),
                            torch.tensor([r.sent for r in rows], device=argmax.device))
