@@ -74,7 +74,8 @@ class Request:
         return ids[:min(cut, self.budget)]
 
     def commit(self, canvas: list[int], steps: int, events: list[Event]) -> None:
-        """Append a finished canvas's visible tokens; finish on EOS ("stop") or an exhausted budget ("length")."""
+        """Append a finished canvas's visible tokens (its event carries those not `send`-ed early); finish on EOS
+        ("stop") or an exhausted budget ("length")."""
         self.stats.steps_per_canvas.append(steps)
         if self.seeded is not None:
             new, complete = self.seeded.take(canvas)
