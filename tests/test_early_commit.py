@@ -174,3 +174,12 @@ def test_the_frozen_prefix_rule_against_a_loop():
         assert frozen[b] == n
         stable_eos = n < 12 and int(argmax[b, n]) in eos[b].tolist() and run[b, n] >= need[b]
         assert bool(done[b]) == (n >= limit[b] or stable_eos)
+
+
+def test_stop_strings_cut_early_text(model):
+    """A stop string inside early-committed text ends the answer there, as it does in whole canvases."""
+    full = model.generate(PROMPT, max_new_tokens=64, seed=1, early_commit=2)
+    stop = full.text[6:9]
+    assert len(stop) == 3 and full.text.find(stop) == 6
+    cut = model.generate(PROMPT, max_new_tokens=64, seed=1, early_commit=2, stop=stop)
+    assert (cut.text, cut.finish_reason) == (full.text[:6], "stop")
