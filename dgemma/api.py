@@ -264,6 +264,9 @@ class Model:
                                       "mode)", (seeded or grammar).param)
         if params.logprobs is not None and (mode, sampling) != ("diffusion", "fast"):
             raise SamplingParamsError("logprobs need fast diffusion decoding", "logprobs")
+        for name in ("soft_top_k", "skip_settled"):
+            if getattr(params, name) is not None and (mode, sampling) != ("diffusion", "fast"):
+                raise SamplingParamsError(f"{name} needs fast diffusion decoding", name)
         if seeded is not None and not params.eos_token_ids:
             raise SamplingParamsError("a suffix, template or edit needs an end-of-sequence token", seeded.param)
         params.validate(self.module.cfg.text.vocab_size, self.max_context, len(ids), limits, self.cache_bytes)
