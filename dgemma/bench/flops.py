@@ -59,6 +59,17 @@ def diffusion_flops(cfg: ModelConfig, prompt_len: int, steps_per_canvas: list[in
             "self_conditioning": self_cond}
 
 
+def saved_flops(cfg: ModelConfig, stats: dict[str, Any], soft_top_k: int | None) -> float:
+    """Matmul FLOPs of `diffusion_flops` that a request's opt-in savings spared, from its stats (engine/request.py):
+    head rows and soft-embedding rows of settled positions left out (`skip_settled`: 2 V H each), and soft
+    embeddings over k entries instead of V (`soft_top_k`: 2 (V - k) H each)."""
+    t = cfg.text
+    row = 2 * t.hidden_size * t.vocab_size
+    sparse = 2 * t.hidden_size * max(t.vocab_size - (soft_top_k or t.vocab_size), 0)
+    return row * (stats.get("skipped_head_rows", 0) + stats.get("skipped_soft_rows", 0)) \
+        + sparse * stats.get("sparse_soft_rows", 0)
+
+
 def autoregressive_flops(cfg: ModelConfig, prompt_len: int, tokens: int) -> dict[str, float]:
     """One prompt: prefill, then one LM head per token and an encoder pass for every token but the last."""
     t = cfg.text
