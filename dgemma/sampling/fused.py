@@ -104,6 +104,12 @@ class _Running:
         self.top = torch.empty(n, 0, **f32)  # sparse soft embedding: the k best squashed scores so far
         self.top_ids = torch.empty(n, 0, dtype=torch.long, device=device)
 
+    def signal(self, embedding: Tensor | QuantizedWeight, embed_scale: float, scale: Tensor, shift: Tensor) -> Tensor:
+        """The soft embedding: dense (the running p @ E), or sparse over the running top-k when it was tracked."""
+        if self.top.shape[1]:
+            return sparse_soft_embedding(self.top * scale - shift, self.top_ids, embedding, embed_scale)
+        return (self.soft / self.mass[:, None] * embed_scale).to(embedding.dtype)
+
     def update_topk(self, squashed: Tensor, lo: int, k: int) -> None:
         """Merge the chunk's k best (squashed, so monotonic in the logits) entries into the running k best."""
         vals, ids = squashed.topk(min(k, squashed.shape[1]), dim=-1)
@@ -180,12 +186,7 @@ def vocab_step(hidden: Tensor, embedding: Tensor | QuantizedWeight, softcap: flo
             run.soft.mul_(run.decay[:, None]).add_(rows.soft(k, p))
         run.update_sample(p, chunk_mass, uniforms[:, 2 * k], uniforms[:, 2 * k + 1], lo)
     entropy = (torch.log2(run.mass) - run.moment / run.mass) / LOG2E
-    if not want_signal:
-        signal = None
-    elif top_k:
-        signal = sparse_soft_embedding(run.top * scale - shift, run.top_ids, embedding, embed_scale)
-    else:
-        signal = (run.soft / run.mass[:, None] * embed_scale).to(embedding.dtype)
+    signal = run.signal(embedding, embed_scale, scale, shift) if want_signal else None
     return VocabStep(run.argmax, run.sample, entropy, signal)
 
 
