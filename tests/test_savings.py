@@ -2,6 +2,8 @@
 direct softmax @ E, settled positions left out (`skip_settled`) against an independent replay of the rule, and
 their FLOP accounting."""
 
+import json
+
 import pytest
 import torch
 
@@ -131,3 +133,15 @@ def test_reference_sampling_refuses_the_savings(demo):
     with pytest.raises(SamplingParamsError) as e:
         demo.generate("Once", max_new_tokens=4, sampling="reference", soft_top_k=8)
     assert e.value.param == "soft_top_k"
+
+
+def test_the_cli_takes_the_savings_and_refuses_bad_values(capsys):
+    from dgemma.cli import main
+
+    assert main(["generate", "Hello", "--max-new-tokens", "8", "--seed", "0", "--json", "--soft-top-k", "4",
+                 "--skip-settled", "1"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["sparse_soft_rows"] > 0  # the flag reached the engine
+    assert main(["generate", "Hello", "--soft-top-k", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "soft_top_k" in err and len(err.splitlines()) == 1
