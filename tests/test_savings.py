@@ -145,3 +145,26 @@ def test_the_cli_takes_the_savings_and_refuses_bad_values(capsys):
     assert main(["generate", "Hello", "--soft-top-k", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert "soft_top_k" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("prompt_len", [9, 200])  # 200: past the sliding layers' ring (window 128 + canvas)
+def test_a_pass_over_some_positions_reuses_the_others_keys_exactly(prompt_len):
+    """After a full pass over a canvas, a pass over a subset of the same canvas (same signal) sees the others'
+    keys and values as that pass left them, which are exact here: its positions' hidden states equal the full
+    pass's, on per-row caches (rows keeping different positions) and on one shared cache."""
+    module = dgemma.load(dtype="float32").module
+    c, vocab = module.cfg.canvas_length, module.cfg.text.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, vocab, (2, prompt_len), generator=g)
+    canvas = torch.randint(3, vocab, (2, c), generator=g)
+    signal = torch.randn(2, c, module.cfg.text.hidden_size, generator=g)
+    keep = torch.stack([torch.arange(0, c, 3)[:8], torch.arange(1, c, 2)[:8]])
+    room = prompt_len + c
+    for caches in ([module.new_cache(1, room) for _ in range(2)], module.new_cache(2, room)):
+        module.prefill(prompts, caches)
+        full = module.denoise(canvas, caches, signal)
+        some = module.denoise(canvas, caches, signal, keep=keep)
+        want = full.gather(1, keep[..., None].expand(-1, -1, full.shape[-1]))
+        assert some.shape == want.shape and (some - want).abs().max() < 1e-4
+        other = module.denoise(canvas.roll(1, 1), caches, signal, keep=keep)  # the kept inputs matter
+        assert (other - want).abs().max() > 1e-2
