@@ -264,7 +264,7 @@ class Model:
                                       "mode)", (seeded or grammar).param)
         if params.logprobs is not None and (mode, sampling) != ("diffusion", "fast"):
             raise SamplingParamsError("logprobs need fast diffusion decoding", "logprobs")
-        for name in ("soft_top_k", "skip_settled"):
+        for name in ("soft_top_k", "skip_settled", "settled_kv_reuse"):
             if getattr(params, name) is not None and (mode, sampling) != ("diffusion", "fast"):
                 raise SamplingParamsError(f"{name} needs fast diffusion decoding", name)
         if seeded is not None and not params.eos_token_ids:

@@ -50,7 +50,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                "t_max": args.t_max, "entropy_bound": args.entropy_bound, "seed": args.seed,
                "stop": tuple(args.stop) or None, "ar_temperature": args.ar_temperature,
                "mode": args.mode, "sampling": args.sampling, "grammar": _grammar(args),
-               "soft_top_k": args.soft_top_k, "skip_settled": args.skip_settled}
+               "soft_top_k": args.soft_top_k, "skip_settled": args.skip_settled,
+               "settled_kv_reuse": args.settled_kv_reuse}
     if args.json:
         print(json.dumps(model.generate(prompt, **options).to_dict()))
         return 0
@@ -65,7 +66,8 @@ def _check_mode_options(args: argparse.Namespace) -> None:
         given = [flag for flag, value in (("--steps", args.steps), ("--t-min", args.t_min), ("--t-max", args.t_max),
                                           ("--entropy-bound", args.entropy_bound),
                                           ("--soft-top-k", args.soft_top_k),
-                                          ("--skip-settled", args.skip_settled)) if value is not None]
+                                          ("--skip-settled", args.skip_settled),
+                                          ("--settled-kv-reuse", args.settled_kv_reuse)) if value is not None]
         given += ["--sampling reference"] * (args.sampling == "reference")
         if given:
             raise DgemmaError(f"{given[0]} applies to diffusion decoding; --mode autoregressive samples with "
@@ -119,6 +121,8 @@ def _add_generate(sub) -> None:
                    help="opt-in: self-conditioning over each position's K most likely tokens (changes outputs)")
     p.add_argument("--skip-settled", type=int, metavar="N",
                    help="opt-in: positions settled for N steps leave the head work (changes outputs)")
+    p.add_argument("--settled-kv-reuse", action="store_true", default=None,
+                   help="opt-in, with --skip-settled: settled positions leave the body too, their keys/values reused")
     p.add_argument("--seed", type=int, help="random seed (same seed, same output)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--sampling", choices=SAMPLINGS, default=SAMPLINGS[0],

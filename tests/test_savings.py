@@ -10,7 +10,7 @@ import torch
 import dgemma
 import dgemma.engine.engine as engine_module
 import dgemma.sampling.fused as fused
-from dgemma.bench.flops import saved_flops
+from dgemma.bench.flops import diffusion_flops, saved_flops
 from dgemma.errors import SamplingParamsError
 from dgemma.sampling import SamplingParams
 from dgemma.sampling.fused import num_uniforms, vocab_step
@@ -102,7 +102,8 @@ def test_skipped_positions_are_exactly_the_settled_ones(demo, monkeypatch, n):
     assert res.stats["skipped_head_rows"] == sum(int(e.sum()) for e in expected)
 
 
-@pytest.mark.parametrize("options", [{"soft_top_k": 4}, {"skip_settled": 1}, {"skip_settled": 2, "soft_top_k": 16}])
+@pytest.mark.parametrize("options", [{"soft_top_k": 4}, {"skip_settled": 1}, {"skip_settled": 2, "soft_top_k": 16},
+                                     {"skip_settled": 1, "settled_kv_reuse": True}])
 def test_outputs_with_the_savings_on_are_valid(demo, options):
     vocab = demo.module.cfg.text.vocab_size
     results = demo.generate(["Once upon a time", "The sea"], max_new_tokens=40, seed=5, **options)
@@ -111,6 +112,8 @@ def test_outputs_with_the_savings_on_are_valid(demo, options):
         assert r.finish_reason in ("stop", "length") and isinstance(r.text, str)
     if "soft_top_k" in options:
         assert all(r.stats["sparse_soft_rows"] > 0 for r in results)
+    if "settled_kv_reuse" in options:
+        assert all(r.stats["skipped_body_rows"] > 0 for r in results)
 
 
 def test_saved_flops_counts_each_left_out_row(demo):
@@ -119,10 +122,16 @@ def test_saved_flops_counts_each_left_out_row(demo):
     stats = {"skipped_head_rows": 3, "skipped_soft_rows": 2, "sparse_soft_rows": 5}
     assert saved_flops(cfg, stats, 8) == 2 * h * v * 5 + 2 * h * (v - 8) * 5
     assert saved_flops(cfg, {"skipped_head_rows": 0, "skipped_soft_rows": 0, "sparse_soft_rows": 0}, None) == 0
+    t, c = cfg.text, cfg.canvas_length
+    pass_flops = diffusion_flops(cfg, 10, [2])["total"] - diffusion_flops(cfg, 10, [1])["total"]  # one more pass
+    per_row = (pass_flops - 2 * c * h * v - 2 * c * h * v) / c  # less its head and soft embedding, per position
+    assert saved_flops(cfg, {"skipped_body_rows": 4}, None, 10) == pytest.approx(4 * per_row)
 
 
 @pytest.mark.parametrize("options,param", [({"soft_top_k": 0}, "soft_top_k"), ({"skip_settled": 0}, "skip_settled"),
-                                           ({"skip_settled": True}, "skip_settled")])
+                                           ({"skip_settled": True}, "skip_settled"),
+                                           ({"settled_kv_reuse": True}, "settled_kv_reuse"),
+                                           ({"settled_kv_reuse": 1, "skip_settled": 1}, "settled_kv_reuse")])
 def test_bad_values_name_their_parameter(options, param):
     with pytest.raises(SamplingParamsError) as e:
         SamplingParams(**options)

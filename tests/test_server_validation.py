@@ -318,7 +318,8 @@ def test_cors_is_off_by_default_and_exact_when_configured(server, checkpoint):
 
 
 def test_the_opt_in_savings_pass_through_dgemma_sampling(server):
-    body = {"prompt": "hi", "max_tokens": 4, "seed": 0, "dgemma_sampling": {"soft_top_k": 4, "skip_settled": 1}}
+    body = {"prompt": "hi", "max_tokens": 4, "seed": 0, "dgemma_sampling": {"soft_top_k": 4, "skip_settled": 1,
+                                                                 "settled_kv_reuse": True}}
     r = httpx.post(server.url + C, json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] >= 1

@@ -75,7 +75,7 @@ def flops(cfg, result, autoregressive: bool, soft_top_k: int | None = None) -> f
     if autoregressive:  # one pass per generated token, the final EOS included
         return autoregressive_flops(cfg, result.prompt_tokens, result.stats["decoder_passes"])["total"]
     full = diffusion_flops(cfg, result.prompt_tokens, result.stats["steps_per_canvas"])["total"]
-    return full - saved_flops(cfg, result.stats, soft_top_k)
+    return full - saved_flops(cfg, result.stats, soft_top_k, result.prompt_tokens)
 
 
 # ---- aggregation --------------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ class Stats:
     skipped_head_rows: int = 0
     skipped_soft_rows: int = 0
     sparse_soft_rows: int = 0
+    skipped_body_rows: int = 0  # canvas positions left out of the body (settled_kv_reuse)
     t_arrival: float = field(default_factory=time.perf_counter)
     t_start: float | None = None
     t_first_commit: float | None = None
@@ -39,6 +40,7 @@ class Stats:
             "skipped_head_rows": self.skipped_head_rows,
             "skipped_soft_rows": self.skipped_soft_rows,
             "sparse_soft_rows": self.sparse_soft_rows,
+            "skipped_body_rows": self.skipped_body_rows,
             "tokens_per_forward": (n_tokens + self.eos_tokens) / self.decoder_passes if self.decoder_passes else 0.0,
             "seconds": seconds,
             "queue_seconds": (self.t_start or self.t_arrival) - self.t_arrival,

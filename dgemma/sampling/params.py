@@ -67,9 +67,11 @@ class SamplingParams:
     logprobs: int | None = None  # report log-probabilities with this many alternatives (sampling/logprobs.py)
     cache_salt: str | None = None  # prefix-cache partition: only prefixes cached under the same salt are reused
     # opt-in savings that change outputs (docs/performance.md): a sparse self-conditioning soft embedding over each
-    # position's k most likely tokens; positions settled for this many steps left out of the step (sampling/fused.py)
+    # position's k most likely tokens; positions settled for this many steps left out of the step (sampling/fused.py),
+    # and with settled_kv_reuse out of the body too (their keys and values reused: approximate)
     soft_top_k: int | None = None
     skip_settled: int | None = None
+    settled_kv_reuse: bool | None = None
 
     def __post_init__(self) -> None:
         # Normalise containers so the object stays hashable: a bare str / int means a 1-tuple.
@@ -126,6 +128,11 @@ class SamplingParams:
             _int_in("skip_settled", self.skip_settled, 1, MAX_DENOISING_STEPS)
             if self.grammar is not None or self.seeded is not None:
                 _fail("skip_settled with a grammar, suffix, template or edit is not supported", "skip_settled")
+        if self.settled_kv_reuse is not None:
+            if not isinstance(self.settled_kv_reuse, bool):
+                _fail(f"settled_kv_reuse={self.settled_kv_reuse!r} must be true or false", "settled_kv_reuse")
+            if self.settled_kv_reuse and (self.skip_settled is None or self.logprobs is not None):
+                _fail("settled_kv_reuse needs skip_settled and no logprobs", "settled_kv_reuse")
 
     def validate(self, vocab_size: int | None = None, max_context: int | None = None, prompt_len: int = 0,
                  limits: Limits = Limits(), cache_bytes: Callable[[int], int] | None = None) -> None:

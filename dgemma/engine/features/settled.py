@@ -20,6 +20,7 @@ from torch import Tensor
 from dgemma.engine.batch import Canvas
 from dgemma.engine.features.base import Feature, Step
 from dgemma.engine.request import Request
+from dgemma.model import DiffusionGemma
 from dgemma.sampling.fused import Reuse
 
 
@@ -42,6 +43,32 @@ def reuse(rows: list[Request], cv: Canvas) -> Reuse | None:
     if not bool(skip.any()):
         return None
     return Reuse(skip, cv.argmax, cv.tokens, cv.signal)
+
+
+def denoise(model: DiffusionGemma, rows: list[Request], cv: Canvas, caches: list, reuse: Reuse | None) -> Tensor:
+    """The decoder pass [B, C, H]. When every row asks `settled_kv_reuse` and has settled positions, the body runs
+    on the positions that are not settled only (each row's, padded with settled ones to the batch's widest), their
+    keys and values those of the last pass (`DiffusionGemma.denoise(keep=...)`); the left-out rows stay zero
+    (the fused step does not read them)."""
+    keep = _body_rows(rows, reuse)
+    if keep is None:
+        return model.denoise(cv.tokens, caches, cv.signal)
+    hidden = model.denoise(cv.tokens, caches, cv.signal, keep=keep)
+    b, c = cv.tokens.shape
+    for r in rows:
+        r.stats.skipped_body_rows += c - keep.shape[1]
+    return hidden.new_zeros(b, c, hidden.shape[-1]).scatter(1, keep[..., None].expand_as(hidden), hidden)
+
+
+def _body_rows(rows: list[Request], reuse: Reuse | None) -> Tensor | None:
+    """[B, m] the positions the body runs on, in order, or None for all of them."""
+    if reuse is None or not all(r.params.settled_kv_reuse for r in rows):
+        return None
+    m = max(1, int((~reuse.skip).sum(1).max()))  # at least one position: a pass of none has no shape
+    if m == reuse.skip.shape[1]:
+        return None
+    first = torch.sort(reuse.skip.to(torch.int8), dim=1, stable=True).indices[:, :m]  # unsettled ones first
+    return first.sort(dim=1).values
 
 
 class Settled(Feature):
