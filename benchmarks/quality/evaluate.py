@@ -131,9 +131,12 @@ def evaluate(model, examples: list[tasks.Example], variants: dict[str, dict[str,
         if log and (i + 1) % 20 == 0:
             log(f"{i + 1}/{len(examples)} examples")
     results = {name: {"options": variants[name], **per_task(examples, r)} for name, r in rows.items()}
-    return {"variants": results, "vs_defaults": versus_defaults(results),  # per example, in order: paired
-            "outputs": {name: [r["output"] for r in rs] for name, rs in rows.items()},
-            "correct": {name: [r["correct"] for r in rs] for name, rs in rows.items()}}
+    outputs = {name: [r["output"] for r in rs] for name, rs in rows.items()}
+    vs = versus_defaults(results)
+    for name, out in outputs.items():  # answers unchanged bound the accuracy change: |points| <= 100 - this
+        vs[name]["same_answer_percent"] = 100 * sum(a == b for a, b in zip(out, outputs["defaults"])) / len(out)
+    return {"variants": results, "vs_defaults": vs,  # per example, in order: paired
+            "outputs": outputs, "correct": {name: [r["correct"] for r in rs] for name, rs in rows.items()}}
 
 
 @torch.no_grad()
