@@ -28,7 +28,6 @@ class ImageLimits:
 
 
 def add_image_options(p: argparse.ArgumentParser, fetch: bool = False) -> None:
-    """The caps as flags; `fetch`: also --fetch-image-urls (the server's: it then makes requests for clients)."""
     d = ImageLimits()
     p.add_argument("--image-tokens", type=int, choices=SOFT_TOKEN_BUDGETS, default=d.max_soft_tokens,
                    help=f"soft tokens per image at most (the image is resized to fit; default {d.max_soft_tokens})")
@@ -43,6 +42,5 @@ def add_image_options(p: argparse.ArgumentParser, fetch: bool = False) -> None:
                        "refused with 400; data: URLs are always accepted). The server then makes requests for clients")
 
 
-def limits_from_args(args: argparse.Namespace) -> ImageLimits:
-    return ImageLimits(args.max_image_bytes, args.max_image_pixels, args.max_images, args.image_tokens,
-                       getattr(args, "fetch_image_urls", False))
+def limits_from_args(args: argparse.Namespace, fetch_urls: bool = False) -> ImageLimits:
+    return ImageLimits(args.max_image_bytes, args.max_image_pixels, args.max_images, args.image_tokens, fetch_urls)

@@ -124,8 +124,6 @@ class GrammarVocab:
         if m.is_error():
             reason = _first_line(m.get_error())
             raise SamplingParamsError(f"{g.describe()} is invalid or not supported: {reason}", g.param)
-        if not eos:
-            raise SamplingParamsError("constrained output needs an end-of-sequence token", g.param)
         row = RowGrammar(m, self, eos)
         if not row.allowed().any():
             raise SamplingParamsError(f"{g.describe()} cannot match any text", g.param)

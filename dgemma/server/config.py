@@ -26,8 +26,7 @@ def setting(value: Any, help: str, flag: str | tuple[str, ...] | None = None, *,
     return field(default=value, repr=repr, metadata=meta)
 
 
-def _split(values: list[str]) -> tuple[str, ...]:
-    """Repeated and comma-separated values -> one tuple: ["a,b", "c"] -> ("a", "b", "c")."""
+def _split(values: list[str]) -> tuple[str, ...]:  # ["a,b", "c"] -> ("a", "b", "c")
     return tuple(name.strip() for value in values for name in value.split(",") if name.strip())
 
 
@@ -114,7 +113,8 @@ class ServerConfig:
             if isinstance(f.default, tuple):
                 options = {"action": "append", "default": [], "metavar": metavar} | options
             elif "action" not in options:
-                options = {"type": _scalar(f.type), "default": f.default} | options
+                scalar = {"int": int, "float": float, "str": str}[f.type.split(" | ")[0]]  # the annotation's text
+                options = {"type": scalar, "default": f.default} | options
                 options |= {} if "choices" in options else {"metavar": metavar}
             p.add_argument(*_flags(f), dest=f.name, help=help, **options)
         add_image_options(p, fetch=True)
@@ -125,7 +125,7 @@ class ServerConfig:
         values = {f.name: tuple(getattr(args, f.name)) if isinstance(f.default, tuple) else getattr(args, f.name)
                   for f in fields(cls) if "help" in f.metadata}
         values["allowed_hosts"] = _split(values["allowed_hosts"])
-        return cls(**values | {"images": limits_from_args(args)} | given)
+        return cls(**values | {"images": limits_from_args(args, args.fetch_image_urls)} | given)
 
     @property
     def limits(self) -> Limits:
@@ -159,11 +159,6 @@ def is_loopback(host: str) -> bool:
 def _flags(f: Field) -> tuple[str, ...]:
     flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
     return (flag,) if isinstance(flag, str) else flag
-
-
-def _scalar(annotation: str) -> type:
-    """"int | None" -> int (the annotations are strings: `from __future__ import annotations`)."""
-    return {"int": int, "float": float, "str": str}[annotation.split(" | ")[0]]
 
 
 def _check_setting(f: Field, value: Any) -> None:
