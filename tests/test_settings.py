@@ -151,3 +151,8 @@ def test_the_engine_refuses_what_its_decoding_cannot_follow_with_the_api_message
         model.runner("autoregressive").add_request([5, 6], seeded)
     assert (str(engine.value), engine.value.param) == ("a suffix, template or edit needs fast diffusion decoding",
                                                        "suffix")
+    with pytest.raises(SamplingParamsError) as api:
+        model.generate([5, 6], mode="autoregressive", logprobs=2)
+    with pytest.raises(SamplingParamsError) as engine:
+        model.runner("autoregressive").add_request([5, 6], model.params(logprobs=2))
+    assert str(api.value) == str(engine.value) == "logprobs needs fast diffusion decoding"

@@ -17,6 +17,7 @@ MAX_NEW_TOKENS = 1_000_000
 MAX_DENOISING_STEPS = 10_000
 MAX_SEED = 2**64 - 1
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
+DIFFUSION_ONLY = ("logprobs",)  # SamplingParams fields the autoregressive and reference decoders cannot follow
 
 
 @dataclass(frozen=True)
@@ -116,15 +117,16 @@ class SamplingParams:
     def check_decoding(self, mode: str, sampling: str, eos: tuple[int, ...], tokenizer: bool) -> None:
         """What a request asks of its decoding (`mode`, `sampling`) and of the checkpoint (its end-of-sequence ids
         `eos`, whether it has a `tokenizer` for grammars): checked by the API before a request is made and by every
-        engine (runner.make_request)."""
-        g, s, lp, fast_diffusion = self.grammar, self.seeded, self.logprobs, (mode, sampling) == ("diffusion", "fast")
+        engine (runner.make_request). A field only fast diffusion decoding follows: its name in DIFFUSION_ONLY."""
+        g, s, fast_diffusion = self.grammar, self.seeded, (mode, sampling) == ("diffusion", "fast")
+        only = next((name for name in DIFFUSION_ONLY if getattr(self, name) is not None), None)
         for broken, message, param in (
                 (g and sampling != "fast", "constrained output needs the fast sampler", g and g.param),
                 (g and not tokenizer, "constrained output needs a tokenizer; this checkpoint has none", g and g.param),
                 (g and not eos, "constrained output needs an end-of-sequence token", g and g.param),
                 (s and not fast_diffusion, "a suffix, template or edit needs fast diffusion decoding", s and s.param),
                 (s and not eos, "a suffix, template or edit needs an end-of-sequence token", s and s.param),
-                (lp is not None and not fast_diffusion, "logprobs need fast diffusion decoding", "logprobs")):
+                (only and not fast_diffusion, f"{only} needs fast diffusion decoding", only)):
             if broken:
                 _fail(message, param)
 

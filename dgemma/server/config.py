@@ -19,9 +19,8 @@ KEY_ENV = "DGEMMA_API_KEY"
 
 def setting(value: Any, help: str, flag: str | tuple[str, ...] | None = None, *, least: float | None = None,
             above: float | None = None, shown: str | None = None, repr: bool = True, **argparse: Any) -> Any:
-    """A ServerConfig field (default `value`) declared with its `dgemma serve` flag (default: --field-name): `help`
-    (the default is appended, or `shown` in its place), the smallest value allowed (`least`, or `above` for a
-    strict bound; None always passes) and any other `add_argument` options. A tuple value: a repeatable flag."""
+    """A ServerConfig field (default `value`) with its flag (default --field-name), `help` (+ the default, or `shown`),
+    lowest value (`least`; `above`: strictly; None passes), other `add_argument` options; tuple value: repeatable."""
     meta = {"help": help, "flag": flag, "least": least, "above": above, "shown": shown, "argparse": argparse}
     return field(default=value, repr=repr, metadata=meta)
 

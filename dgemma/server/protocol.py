@@ -119,8 +119,7 @@ class OpenAIRequest(_Strict):
         "checkpoint's (GET /v1/models shows them)"))
 
     def renamed(self) -> dict[str, str]:
-        """SamplingParams fields this request sets under another name (its errors name the request's field); its
-        "max_new_tokens" is the field that caps the tokens per choice."""
+        """SamplingParams fields this request sets under another name (max_new_tokens: the one it sets now)."""
         return {"max_new_tokens": "max_tokens"}
 
     def unsupported(self) -> tuple[str, str] | None:
