@@ -23,13 +23,13 @@ from dgemma.server.config import ServerConfig
 from dgemma.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
-    Chunks,
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
     Health,
     ModelCard,
     ModelList,
+    Shapes,
 )
 from dgemma.server.service import Generation, Service
 
@@ -199,17 +199,13 @@ async def _answer(gen: Generation, body: Any, request: Request, chat: bool) -> R
         gen.close()
     if results is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
-    choices = []
+    shapes, choices = Shapes(chat, gen.id, gen.created, gen.service.config.model_name), []
     for i, (text, reason, entries, ids) in enumerate(results):
         logprobs = None if entries is None else body.format_logprobs(entries, gen.service.model.token_bytes, 0)
-        if chat:
-            message, reason = body.tool_use().reply(text, ids, reason, gen.service.model.tokenizer.decode)
-            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
-        else:
-            choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason})
-    return JSONResponse({"id": gen.id, "object": "chat.completion" if chat else "text_completion",
-                         "created": gen.created, "model": gen.service.config.model_name, "choices": choices,
-                         "usage": gen.usage()}, headers=ignored)
+        message, reason = body.tool_use().reply(text, ids, reason, gen.service.model.tokenizer.decode) if chat else \
+            (None, reason)
+        choices.append(shapes.answer(i, text, logprobs, reason, message))
+    return JSONResponse(shapes.response(choices, gen.usage()), headers=ignored)
 
 
 async def _stream(gen: Generation, body: Any, request: Request, chat: bool, headers: dict[str, str]) -> Response:
@@ -227,7 +223,7 @@ async def _stream(gen: Generation, body: Any, request: Request, chat: bool, head
         gen.close()
         raise
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    chunks = Chunks(chat, gen.id, gen.created, gen.service.config.model_name, include_usage)
+    chunks = Shapes(chat, gen.id, gen.created, gen.service.config.model_name, include_usage)
     return EventStream(_events(gen, chunks, _chain(first, outputs), body), on_close=gen.close, headers=headers)
 
 
@@ -237,7 +233,7 @@ async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield item
 
 
-async def _events(gen: Generation, chunks: Chunks, outputs: AsyncIterator[Any], body: Any) -> AsyncIterator[bytes]:
+async def _events(gen: Generation, chunks: Shapes, outputs: AsyncIterator[Any], body: Any) -> AsyncIterator[bytes]:
     """Role chunks, then committed text per canvas (and drafts when asked), a finish chunk per choice, the
     usage chunk when asked, then [DONE]. An error mid-stream sends an error object, then [DONE]."""
     if chunks.chat:
@@ -276,7 +272,7 @@ async def _events(gen: Generation, chunks: Chunks, outputs: AsyncIterator[Any], 
     yield DONE
 
 
-def _reply_chunks(chunks: Chunks, out: Any, reply: tuple[dict[str, Any], str]) -> list[bytes]:
+def _reply_chunks(chunks: Shapes, out: Any, reply: tuple[dict[str, Any], str]) -> list[bytes]:
     """A held-back reply: its text as one delta, or each tool call as its own delta (with its index); then the
     finish reason."""
     message, reason = reply
