@@ -69,10 +69,10 @@ def _replay(steps, n):
     return expected
 
 
-@pytest.mark.parametrize("n", [1, 3])
-def test_skipped_positions_are_exactly_the_settled_ones(demo, monkeypatch, n):
-    steps, rows = [], []
-    real_step, real_vocab = engine_module.fast_step, fused.vocab_step
+@pytest.mark.parametrize("n, reuse_kv", [(1, False), (3, False), (1, True)])
+def test_skipped_positions_are_exactly_the_settled_ones(demo, monkeypatch, n, reuse_kv):
+    steps, rows, body = [], [], []
+    real_step, real_vocab, real_denoise = engine_module.fast_step, fused.vocab_step, demo.module.denoise
 
     def recording_step(hidden, *args, reuse=None, **kw):
         out, signal = real_step(hidden, *args, reuse=reuse, **kw)
@@ -85,12 +85,20 @@ def test_skipped_positions_are_exactly_the_settled_ones(demo, monkeypatch, n):
         rows.append(hidden.shape[0])
         return real_vocab(hidden, *args, **kw)
 
+    def recording_denoise(canvas, cache, signal=None, keep=None, **kw):
+        body.append(list(range(canvas.shape[1])) if keep is None else keep[0].tolist())
+        return real_denoise(canvas, cache, signal, keep=keep, **kw)
+
     monkeypatch.setattr(engine_module, "fast_step", recording_step)
     monkeypatch.setattr(fused, "vocab_step", counting_vocab)
+    monkeypatch.setattr(demo.module, "denoise", recording_denoise)
     c = demo.module.cfg.canvas_length
     res = demo.generate("Once upon a time", max_new_tokens=c, seed=1, skip_settled=n, max_denoising_steps=40,
-                        eos_token_ids=())
+                        eos_token_ids=(), settled_kv_reuse=reuse_kv or None)
     expected = _replay(steps, n)
+    # the body ran on every position, or (settled_kv_reuse) on the unsettled ones (one, if all had settled)
+    assert body == [list(range(c)) if not reuse_kv else ((~e).nonzero().squeeze(1).tolist() or [0])
+                    for e in expected]
     assert [e.tolist() for e in expected] == [st["skip"].tolist() for st in steps]
     assert sum(int(e.sum()) for e in expected) > 0  # the canvas did settle
     assert rows == [c - int(e.sum()) for e in expected]  # the head ran on the others only
