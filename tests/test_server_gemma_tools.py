@@ -78,7 +78,7 @@ def _template_call(tokenizer, name, arguments):
 ])
 def test_template_calls_are_sentences_of_the_grammar(tokenizer, name, arguments):
     from dgemma.sampling.constraints import GrammarVocab
-    from dgemma.server.gemma_tools import GemmaSyntax
+    from dgemma.chat.gemma import GemmaSyntax
 
     syntax = GemmaSyntax.of(tokenizer)
     ids = _template_call(tokenizer, name, arguments)
@@ -97,7 +97,7 @@ def test_template_calls_are_sentences_of_the_grammar(tokenizer, name, arguments)
 
 def test_json_arguments_are_not_the_native_syntax(tokenizer):
     from dgemma.sampling.constraints import GrammarVocab
-    from dgemma.server.gemma_tools import GemmaSyntax
+    from dgemma.chat.gemma import GemmaSyntax
 
     ids = _template_call(tokenizer, "get_weather", json.dumps({"city": "Paris", "unit": "c"}))
     tools = [{"name": "get_weather", "description": "", "parameters": WEATHER}]
@@ -110,7 +110,7 @@ def test_random_schemas_in_the_native_syntax_always_validate(checkpoint, tokeniz
     """Calls generated on the random-weight model under the native grammar parse back and validate, whatever the
     model does (random schemas: nested objects, arrays, enums, ranges, patterns, optional properties)."""
     from dgemma.bench.schemas import random_schemas
-    from dgemma.server.gemma_tools import GemmaSyntax
+    from dgemma.chat.gemma import GemmaSyntax
 
     model, syntax = load_with_eos(checkpoint), GemmaSyntax.of(tokenizer)
     schemas = random_schemas(16, seed=3)

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from dgemma import __version__
 from dgemma.api import Model
+from dgemma.chat.tools import assistant_message
 from dgemma.sampling import SamplingParamsError
 from dgemma.server import errors, playground, security
 from dgemma.server.config import ServerConfig
@@ -200,13 +201,10 @@ async def _answer(gen: Generation, body: Any, request: Request, chat: bool) -> R
     if results is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     choices = []
-    for i, (text, reason, entries, ids) in enumerate(results):
-        logprobs = None if entries is None else body.format_logprobs(entries, gen.service.model.token_bytes, 0)
-        if chat:
-            message, reason = body.tool_use().reply(text, ids, reason, gen.service.model.tokenizer.decode)
-            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
-        else:
-            choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason})
+    for i, r in enumerate(results):
+        logprobs = None if r.logprobs is None else body.format_logprobs(r.logprobs, gen.service.model.token_bytes, 0)
+        reply = {"message": assistant_message(r.text, r.tool_calls)} if chat else {"text": r.text}
+        choices.append({"index": i, **reply, "logprobs": logprobs, "finish_reason": r.finish_reason})
     return JSONResponse({"id": gen.id, "object": "chat.completion" if chat else "text_completion",
                          "created": gen.created, "model": gen.service.config.model_name, "choices": choices,
                          "usage": gen.usage()}, headers=ignored)
@@ -244,18 +242,8 @@ async def _events(gen: Generation, chunks: Chunks, outputs: AsyncIterator[Any], 
         for i in range(gen.n):
             yield _data(chunks.choice(i, role=True))
     shown = [0] * gen.n  # characters sent per choice (completions' text_offset)
-    tools = body.tool_use() if chunks.chat else None
-    held = [""] * gen.n if tools is not None and tools.mode != "none" else None  # calls are read at the end
     async for out in outputs:
         if out.kind == "start":
-            continue
-        if held is not None and out.kind in ("text", "finish"):
-            held[out.index] += out.text
-            if out.kind == "finish":
-                decode = gen.service.model.tokenizer.decode
-                reply = tools.reply(held[out.index], out.token_ids, out.finish_reason, decode)
-                for chunk in _reply_chunks(chunks, out, reply):
-                    yield chunk
             continue
         if out.kind == "text" and out.logprobs is not None:
             logprobs = body.format_logprobs(out.logprobs, gen.service.model.token_bytes, shown[out.index])
@@ -266,6 +254,8 @@ async def _events(gen: Generation, chunks: Chunks, outputs: AsyncIterator[Any], 
         elif out.kind == "draft":
             yield _data(chunks.choice(out.index, dgemma_draft=out.draft))
         elif out.kind == "finish":
+            for i, call in enumerate(out.tool_calls or ()):  # each call whole, as its own delta
+                yield _data(chunks.choice(out.index, call=(i, call)))
             yield _data(chunks.choice(out.index, finish_reason=out.finish_reason))
         else:
             yield _data(out.error.body())
@@ -274,15 +264,6 @@ async def _events(gen: Generation, chunks: Chunks, outputs: AsyncIterator[Any], 
     if chunks.include_usage:
         yield _data(chunks.usage(gen.usage()))
     yield DONE
-
-
-def _reply_chunks(chunks: Chunks, out: Any, reply: tuple[dict[str, Any], str]) -> list[bytes]:
-    """A held-back reply: its text as one delta, or each tool call as its own delta (with its index); then the
-    finish reason."""
-    message, reason = reply
-    deltas = [chunks.choice(out.index, call=(i, c)) for i, c in enumerate(message.get("tool_calls") or ())]
-    deltas = deltas or [chunks.choice(out.index, message["content"])] * bool(message["content"])
-    return [_data(d) for d in deltas + [chunks.choice(out.index, finish_reason=reason)]]
 
 
 def _data(obj: dict[str, Any]) -> bytes:

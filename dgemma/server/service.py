@@ -1,7 +1,7 @@
 """Between the routes and the engine thread: readiness, admission, OpenAI options -> per-choice SamplingParams
 (validated by SamplingParams, whose errors become 400s naming the OpenAI field), and `Generation`, which turns
-one request's engine events into text deltas, drafts and finish reasons (through `OutputStream`, as the Python
-API does) and records its latencies."""
+one request's engine events into text deltas, drafts, tool calls, finish reasons and Results (through
+`OutputStream`, as the Python API does) and records its latencies."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dgemma.api import Model
-from dgemma.engine import Event, OutputStream, PrefixCache, StreamEvent
+from dgemma.chat import ToolUse
+from dgemma.engine import Event, OutputStream, PrefixCache, Result, StreamEvent
 from dgemma.errors import DgemmaError
 from dgemma.sampling import MAX_SEED, SamplingParams, SamplingParamsError
 from dgemma.server.config import ServerConfig
@@ -49,7 +50,7 @@ class Plan:
 @dataclass
 class Output:
     """What a route turns into a chunk: "start" (the choice entered the batch; no chunk), "text" (a committed
-    delta), "draft", "finish", or "error"."""
+    delta), "draft", "finish" (with the reply's tool calls, if any), or "error"."""
 
     kind: str
     index: int
@@ -58,7 +59,7 @@ class Output:
     draft: dict[str, Any] | None = None
     error: ApiError | None = None
     logprobs: list | None = None  # "text": entries of the committed ids (sampling/logprobs.py), when asked
-    token_ids: list[int] | None = None  # "finish": the choice's kept ids (to read tool calls from)
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class Service:
@@ -163,7 +164,7 @@ class Service:
             plans, prompt_tokens = await self._within(_earliest(body.dgemma_timeout, self.config.request_timeout),
                                                       t_arrival, self._plan(body, prompts, param, key))
             return Generation(self, f"{id_prefix}-{uuid.uuid4().hex}", plans, prompt_tokens, body.dgemma_drafts,
-                              lease, t_arrival, body.dgemma_timeout)
+                              lease, t_arrival, body.dgemma_timeout, body.tool_use())
         except BaseException:
             lease.release()
             raise
@@ -212,7 +213,7 @@ class Service:
         for prompt in prompts:
             try:
                 # the loop never tokenizes (nor compiles a grammar, nor builds a seeded layout)
-                ids = await self._off_loop(self.model.encode_prompt, prompt, limit, body.template_tools())
+                ids = await self._off_loop(self.model.encode_prompt, prompt, limit, body.tool_use())
                 params = await self._off_loop(self._choice_params, body, ids, _partition(key, body.cache_salt))
                 plans += [Plan(ids, p) for p in params]
             except SamplingParamsError as e:  # max_new_tokens is named as the client named it
@@ -299,6 +300,7 @@ class _Choice:
     index: int
     request_id: str
     output: OutputStream
+    logprobs: bool
     first_tokens: int = 0  # tokens of the first committed canvas
     t_first: float | None = None
     tokens: int = 0
@@ -313,7 +315,7 @@ class Generation:
     and gives back the admission lease (idempotent; routes call it when the response ends for any reason)."""
 
     def __init__(self, service: Service, id: str, plans: list[Plan], prompt_tokens: int, drafts: bool,
-                 lease: Lease, t_arrival: float, timeout: float | None = None):
+                 lease: Lease, t_arrival: float, timeout: float | None = None, tools: ToolUse | None = None):
         self.service, self.id, self.lease = service, id, lease
         self.prompt_tokens = prompt_tokens
         self.created = int(time.time())
@@ -328,7 +330,8 @@ class Generation:
         jobs = []
         for i, plan in enumerate(plans):
             rid = f"{id}-{i}"
-            self.choices[rid] = _Choice(i, rid, OutputStream(service.model.tokenizer, plan.params.stop))
+            output = OutputStream(service.model.tokenizer, plan.params.stop, tools)
+            self.choices[rid] = _Choice(i, rid, output, plan.params.logprobs is not None)
             jobs.append(Job(rid, plan.ids, plan.params, drafts, sink, self.t_arrival, *deadlines))
         service.metrics.admitted(sum(len(p.ids) for p in plans))
         service.worker.submit(jobs)
@@ -359,23 +362,12 @@ class Generation:
                 open_choices -= out.kind in ("finish", "error")
                 yield out
 
-    async def collect(self) -> list[tuple[str, str, list | None, list[int]]]:
-        """Non-streaming: (text, finish_reason, logprob entries or None, kept ids) per choice, in order; raises
-        the first error."""
-        texts: list[list[str]] = [[] for _ in range(self.n)]
-        reasons: list[str] = [""] * self.n
-        entries: list[list | None] = [None] * self.n
-        ids: list[list[int]] = [[] for _ in range(self.n)]
+    async def collect(self) -> list[Result]:
+        """Non-streaming: each choice's Result, in order (as the Python API gives them); raises the first error."""
         async for out in self.outputs():
             if out.kind == "error":
                 raise out.error
-            if out.kind == "text":
-                texts[out.index].append(out.text)
-                if out.logprobs is not None:
-                    entries[out.index] = (entries[out.index] or []) + out.logprobs
-            elif out.kind == "finish":
-                reasons[out.index], ids[out.index] = out.finish_reason, out.token_ids
-        return [("".join(t), r, e, i) for t, r, e, i in zip(texts, reasons, entries, ids)]
+        return [c.output.result(0, c.logprobs) for c in self.choices.values()]
 
     def close(self) -> None:
         with self._feeding:  # a choice's event may still be in a worker thread
@@ -401,11 +393,11 @@ class Generation:
             if c.t_first is None and item.token_ids:
                 c.t_first, c.first_tokens = time.perf_counter(), len(item.token_ids)
             return Output("text", c.index, item.text, logprobs=item.logprobs) if item.text or item.logprobs else None
-        if c.output.stopped and c.finish_reason == "stop":
+        if c.output.stopped:
             self.service.worker.abort([c.request_id])  # harmless when the engine already finished it
         self._record(c)
-        if item.finish_reason in ("stop", "length"):
-            return Output("finish", c.index, finish_reason=item.finish_reason, token_ids=c.output.kept_ids())
+        if item.finish_reason in ("stop", "length", "tool_calls"):
+            return Output("finish", c.index, finish_reason=item.finish_reason, tool_calls=c.output.tool_calls)
         return Output("error", c.index, error=self._error(item.finish_reason, c.tokens))
 
     def _error(self, reason: str, tokens: int) -> ApiError:
