@@ -123,16 +123,17 @@ class Model:
         self.image_limits = images.ImageLimits()  # per-request caps on image inputs (the server sets its own)
 
     # ---- inputs -----------------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: Prompt, max_tokens: int | None = None, tools: ToolUse | None = None) -> list[int]:
-        """Text, chat messages (rendered by `tools`, see `tool_use`) or ids -> checked ids. With `max_tokens`, a
-        prompt that cannot fit in that many tokens (more characters than that many of the longest token hold,
-        x CHAR_MARGIN) is refused before any tokenizing or templating, so its cost is bounded by the limit, not by
-        its length."""
+    def encode_prompt(self, prompt: Prompt, max_tokens: int | None = None,
+                      tools: ToolUse | list[dict[str, Any]] | None = None) -> list[int]:
+        """Text, chat messages (rendered with `tools`: OpenAI tool objects or a `tool_use`) or ids -> checked ids.
+        With `max_tokens`, a prompt that cannot fit in that many tokens (more characters than that many of the
+        longest token hold, x CHAR_MARGIN) is refused before any tokenizing, so its cost is bounded by the limit,
+        not by its length."""
         if isinstance(prompt, (str, list)) and not prompt:
             raise SamplingParamsError("empty prompt", "prompt")
         chat = _is_chat(prompt)
         if chat:
-            tools = tools or self.tool_use()
+            tools = tools if isinstance(tools, ToolUse) else self.tool_use(tools)
             prompt = tools.messages(list(prompt))
         if max_tokens is not None:
             self._check_length(prompt, max_tokens)
