@@ -13,7 +13,7 @@ import torch
 
 from dgemma import images
 from dgemma.cache import KVCache
-from dgemma.chat import ToolUse
+from dgemma.chat.tools import ToolUse
 from dgemma.dtypes import native_bf16, parse_dtype
 from dgemma.engine import (AutoregressiveEngine, Engine, OutputStream, PrefixCache, ReferenceRunner, Result,
                            StreamEvent)
@@ -279,27 +279,22 @@ class Model:
 
     # ---- generation -------------------------------------------------------------------------------------
     def generate(self, prompt: Prompt | list[Prompt], mode: str = "diffusion", sampling: str = "fast",
-                 tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
-                 parallel_tool_calls: bool | None = None, **options: Any) -> Result | list[Result]:
+                 **options: Any) -> Result | list[Result]:
         """Generate for one prompt (returns a Result) or a list of prompts decoded as one batch. `mode`:
         diffusion or autoregressive; `sampling` (diffusion): fast, or reference (transformers draw for draw);
-        chat messages get the chat template; `tools`, `tool_choice`, `parallel_tool_calls`: see `tool_use` (a reply
-        of calls has Result.tool_calls); `options`: SamplingParams fields."""
+        `options`: SamplingParams fields, and for chat messages `tools`, `tool_choice`, `parallel_tool_calls` (see
+        `tool_use`; a reply of calls has Result.tool_calls)."""
         batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
         prompts = prompt if batch else [prompt]
-        chat = (tools, tool_choice, parallel_tool_calls)
-        results = {i: ev.result for i, ev in self._run(prompts, mode, sampling, options, False, chat)
-                   if ev.kind == "done"}
+        results = {i: ev.result for i, ev in self._run(prompts, mode, sampling, options, False) if ev.kind == "done"}
         ordered = [results[i] for i in range(len(prompts))]
         return ordered if batch else ordered[0]
 
     def stream(self, prompt: Prompt, drafts: bool = True, mode: str = "diffusion", sampling: str = "fast",
-               tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
-               parallel_tool_calls: bool | None = None, **options: Any) -> Iterator[StreamEvent]:
+               **options: Any) -> Iterator[StreamEvent]:
         """Yield drafts of the current canvas, committed text deltas, then a "done" event with the Result. With
         tools that may be called, the text is held back to the end (calls are read from the whole reply)."""
-        chat = (tools, tool_choice, parallel_tool_calls)
-        yield from (event for _, event in self._run([prompt], mode, sampling, options, drafts, chat))
+        yield from (event for _, event in self._run([prompt], mode, sampling, options, drafts))
 
     def runner(self, mode: str = "diffusion", sampling: str = "fast", max_batch: int = 16,
                prefix_cache: PrefixCache | None = None):
@@ -320,8 +315,9 @@ class Model:
             runner.grammar_vocab = self.grammar_vocab
         return runner
 
-    def _run(self, prompts: list[Prompt], mode: str, sampling: str, options: dict[str, Any], drafts: bool,
-             chat: tuple) -> Iterator[tuple[int, StreamEvent]]:
+    def _run(self, prompts: list[Prompt], mode: str, sampling: str, options: dict[str, Any],
+             drafts: bool) -> Iterator[tuple[int, StreamEvent]]:
+        chat = [options.pop(k, None) for k in ("tools", "tool_choice", "parallel_tool_calls")]
         tools = self.tool_use(*chat, options.get("grammar"), options.get("logprobs") is not None)
         if tools.mode != "none" and not all(_is_chat(p) for p in prompts):
             raise SamplingParamsError("tools need a prompt of chat messages", "tools")

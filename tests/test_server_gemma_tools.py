@@ -196,3 +196,22 @@ def test_schemas_outside_the_syntax_are_400s_naming_tools(served, parameters, wo
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=CHAT, tools=tools, max_tokens=8)
     assert e.value.body["param"] == "tools" and words in e.value.body["message"], e.value.body
+
+
+def test_python_api_native_calls(checkpoint, tokenizer):
+    """`Model.generate(messages, tools=...)` on the same checkpoint: the Result's call is the one its ids hold, as
+    the chat template writes that call back (text with the control tokens), and it validates."""
+    model = load_with_eos(checkpoint)
+    r = model.generate(CHAT, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_new_tokens=200,
+                       seed=3)
+    assert r.finish_reason == "tool_calls" and r.text is None and len(r.tool_calls) == 1
+    call = r.tool_calls[0]
+    assert call["id"].startswith("call_") and call["type"] == "function"
+    arguments = json.loads(call["function"]["arguments"])
+    jsonschema_rs.validate(SCHEMAS[call["function"]["name"]], arguments)
+    written = _template_call(tokenizer, call["function"]["name"], arguments)
+    assert tokenizer.tok.decode(r.token_ids, skip_special_tokens=False) == \
+        tokenizer.tok.decode(written, skip_special_tokens=False)
+    text = model.generate(CHAT, tools=TOOLS, tool_choice="none", max_new_tokens=8, seed=3)
+    assert text.tool_calls is None and text.prompt_tokens == len(
+        tokenizer.encode(tokenizer.apply_chat_template(CHAT, tools=TOOLS), add_bos=False))

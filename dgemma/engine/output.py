@@ -4,10 +4,10 @@ final flush with the finish reason and, in a chat with tools, the reply's tool c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from dgemma.chat import ToolUse
+from dgemma.chat.tools import ToolUse
 from dgemma.engine.request import Event, Stats
 from dgemma.sampling import stop_holdback, truncate_at_stop_strings
 from dgemma.tokenizer import IncrementalDecoder, Tokenizer
@@ -17,9 +17,10 @@ from dgemma.tokenizer import IncrementalDecoder, Tokenizer
 class StreamEvent:
     """draft: the current canvas (text and ids, each position's own text in `pieces`, the positions the step
     kept in `accepted`; `canvas` counts committed canvases, `step` the denoising steps of this one); text: newly
-    committed text and ids; done: the request ended (`finish_reason`; the API adds its `result`)."""
+    committed text and ids; done: the request ended (`finish_reason`; its `result`, a Result, when it ended
+    normally); start (the server's only): the request entered the batch."""
 
-    kind: Literal["draft", "text", "done"]
+    kind: Literal["draft", "text", "done", "start"]
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -45,9 +46,7 @@ class Result:
     tool_calls: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason,
-                "prompt_tokens": self.prompt_tokens, "stats": self.stats, "logprobs": self.logprobs,
-                "tool_calls": self.tool_calls}
+        return asdict(self)
 
 
 class OutputStream:

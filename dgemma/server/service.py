@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dgemma.api import Model
-from dgemma.chat import ToolUse
+from dgemma.chat.tools import ToolUse
 from dgemma.engine import Event, OutputStream, PrefixCache, Result, StreamEvent
 from dgemma.errors import DgemmaError
 from dgemma.sampling import MAX_SEED, SamplingParams, SamplingParamsError
@@ -45,21 +45,6 @@ class Plan:
 
     ids: list[int]
     params: SamplingParams
-
-
-@dataclass
-class Output:
-    """What a route turns into a chunk: "start" (the choice entered the batch; no chunk), "text" (a committed
-    delta), "draft", "finish" (with the reply's tool calls, if any), or "error"."""
-
-    kind: str
-    index: int
-    text: str = ""
-    finish_reason: str | None = None
-    draft: dict[str, Any] | None = None
-    error: ApiError | None = None
-    logprobs: list | None = None  # "text": entries of the committed ids (sampling/logprobs.py), when asked
-    tool_calls: list[dict[str, Any]] | None = None
 
 
 class Service:
@@ -311,8 +296,9 @@ class _Choice:
 
 
 class Generation:
-    """One HTTP request's choices in the engine: engine events in, `Output`s out. `close()` aborts what is left
-    and gives back the admission lease (idempotent; routes call it when the response ends for any reason)."""
+    """One HTTP request's choices in the engine: engine events in, (choice index, StreamEvent) out, as the Python
+    API's `stream` gives them. `close()` aborts what is left and gives back the admission lease (idempotent; routes
+    call it when the response ends for any reason)."""
 
     def __init__(self, service: Service, id: str, plans: list[Plan], prompt_tokens: int, drafts: bool,
                  lease: Lease, t_arrival: float, timeout: float | None = None, tools: ToolUse | None = None):
@@ -323,6 +309,7 @@ class Generation:
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         sink = Sink(asyncio.get_running_loop(), self.queue)
         self.choices: dict[str, _Choice] = {}
+        self.errors: dict[int, ApiError] = {}  # why a choice failed (its "done" event has no result)
         self._feeding = threading.Lock()  # one event at a time into the choices' OutputStreams
         self.timeout = _earliest(timeout, service.config.request_timeout)
         deadlines = [t_arrival + t if t is not None else None for t in (service.config.max_queue_seconds,
@@ -345,7 +332,9 @@ class Generation:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion}
 
-    async def outputs(self) -> AsyncIterator[Output]:
+    async def events(self) -> AsyncIterator[tuple[int, StreamEvent]]:
+        """Each choice's StreamEvents, and "start" when it enters the batch. A "done" event carries the choice's
+        Result when it ended normally; else `errors[index]` says why not."""
         open_choices = sum(c.finish_reason is None for c in self.choices.values())
         while open_choices:
             event = await self.queue.get()
@@ -353,21 +342,23 @@ class Generation:
             if choice is None or choice.finish_reason is not None:
                 continue
             if event.kind == "start":
-                yield Output("start", choice.index)
+                yield choice.index, StreamEvent("start")
                 continue
             # committed text and finishes are detokenized (and a stop's kept ids found) off the event loop
-            outs = self._on_event(choice, event) if event.kind == "draft" else \
+            items = self._on_event(choice, event) if event.kind == "draft" else \
                 await asyncio.to_thread(self._on_event, choice, event)
-            for out in outs:
-                open_choices -= out.kind in ("finish", "error")
-                yield out
+            for item in items:
+                open_choices -= item.kind == "done"
+                yield choice.index, item
 
     async def collect(self) -> list[Result]:
-        """Non-streaming: each choice's Result, in order (as the Python API gives them); raises the first error."""
-        async for out in self.outputs():
-            if out.kind == "error":
-                raise out.error
-        return [c.output.result(0, c.logprobs) for c in self.choices.values()]
+        """Non-streaming: each choice's Result, in order; raises the first error."""
+        results: list[Result] = [None] * self.n
+        async for index, item in self.events():
+            if item.kind == "done" and item.result is None:
+                raise self.errors[index]
+            results[index] = item.result
+        return results
 
     def close(self) -> None:
         with self._feeding:  # a choice's event may still be in a worker thread
@@ -379,26 +370,25 @@ class Generation:
             self.service.worker.abort([c.request_id for c in unfinished])
         self.lease.release()
 
-    # ---- events -> outputs ------------------------------------------------------------------------------------
-    def _on_event(self, c: _Choice, event: Event) -> list[Output]:
+    # ---- engine events -> StreamEvents ------------------------------------------------------------------------
+    def _on_event(self, c: _Choice, event: Event) -> list[StreamEvent]:
         with self._feeding:
-            return [out for item in c.output.feed(event) if (out := self._output(c, item)) is not None]
+            items = c.output.feed(event)
+            for item in items:
+                if item.kind == "text" and c.t_first is None and item.token_ids:
+                    c.t_first, c.first_tokens = time.perf_counter(), len(item.token_ids)
+                elif item.kind == "done":
+                    self._done(c, item)
+            return items
 
-    def _output(self, c: _Choice, item: StreamEvent) -> Output | None:
-        if item.kind == "draft":
-            draft = {"canvas": item.canvas, "step": item.step, "text": item.text, "token_ids": item.token_ids,
-                     "tokens": item.pieces, "accepted": item.accepted}
-            return Output("draft", c.index, draft=draft)
-        if item.kind == "text":
-            if c.t_first is None and item.token_ids:
-                c.t_first, c.first_tokens = time.perf_counter(), len(item.token_ids)
-            return Output("text", c.index, item.text, logprobs=item.logprobs) if item.text or item.logprobs else None
+    def _done(self, c: _Choice, item: StreamEvent) -> None:
         if c.output.stopped:
             self.service.worker.abort([c.request_id])  # harmless when the engine already finished it
         self._record(c)
         if item.finish_reason in ("stop", "length", "tool_calls"):
-            return Output("finish", c.index, finish_reason=item.finish_reason, tool_calls=c.output.tool_calls)
-        return Output("error", c.index, error=self._error(item.finish_reason, c.tokens))
+            item.result = c.output.result(0, c.logprobs)
+        else:
+            self.errors[c.index] = self._error(item.finish_reason, c.tokens)
 
     def _error(self, reason: str, tokens: int) -> ApiError:
         if reason == "abort":
