@@ -151,9 +151,8 @@ class Model:
 
     def tool_use(self, tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
                  parallel_tool_calls: bool | None = None, grammar: Any = None, logprobs: bool = False) -> ToolUse:
-        """A chat's tools (OpenAI tool objects) and tool_choice ("none", "auto" (the default with tools),
-        "required" or {"type": "function", "function": {"name": ...}}), checked; the tokenizer's chat template
-        picks the call syntax (Gemma 4's own when it declares tools, else JSON calls held to a grammar)."""
+        """A chat's tools (OpenAI tool objects) and tool_choice ("none", "auto" (the default with tools), "required"
+        or {"type": "function", "function": {"name": ...}}), checked; the chat template picks the call syntax."""
         return ToolUse.of(tools, tool_choice, parallel_tool_calls, grammar, logprobs, self.tokenizer, "grammar")
 
     def prompt_limit(self, limits: Limits = Limits()) -> int:

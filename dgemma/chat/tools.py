@@ -1,9 +1,8 @@
-"""Tool calls in a chat, for the Python API and the server alike. `ToolUse` holds one request's choices (mode,
-callable tools, parallel calls) and the syntax: the checkpoint's own (Gemma 4's tool-call tokens, `gemma.py`) when
-its chat template declares tools, else the documented text format here: the tools are described in a system block,
-the reply is held to a grammar built from their parameter schemas (one compact JSON call per line), and the calls in
-the output become OpenAI-shaped `tool_calls`; earlier calls and `role: "tool"` results are rendered back into the
-prompt as text."""
+"""Tool calls in a chat (Python API and server). `ToolUse` holds one request's choices (mode, callable tools,
+parallel calls) and the syntax: the checkpoint's own (Gemma 4's tool-call tokens, `gemma.py`) when its chat template
+declares tools, else the documented text format here: the tools are described in a system block, the reply is held
+to a grammar built from their parameter schemas (one compact JSON call per line), and the calls in the output become
+OpenAI `tool_calls`; earlier calls and `role: "tool"` results are rendered back into the prompt as text."""
 
 from __future__ import annotations
 
@@ -56,7 +55,8 @@ class ToolUse:
 
     @classmethod
     def of(cls, tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None, parallel: bool | None,
-           constraint: Any, logprobs: bool, tokenizer: Any = None, constraint_param: str = "response_format") -> ToolUse:
+           constraint: Any, logprobs: bool, tokenizer: Any = None, constraint_param: str = "response_format"
+           ) -> ToolUse:
         """The request's fields checked (SamplingParamsError naming the field); `tokenizer` picks the syntax.
         `constraint`: the request's other constraint on the reply (`constraint_param`: response_format, grammar)."""
         kind, callable_tools = choose(check_tools(tools or []), choice)
@@ -97,9 +97,8 @@ class ToolUse:
 
 def assistant_message(text: str | None, calls: list[dict[str, Any]] | None) -> dict[str, Any]:
     """A reply as an OpenAI assistant message: its calls (content null), or its text."""
-    if calls:
-        return {"role": "assistant", "content": None, "tool_calls": calls}
-    return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": None, "tool_calls": calls} if calls else {"role": "assistant",
+                                                                                    "content": text}
 
 
 def plain_message(m: Any, i: int) -> dict[str, Any]:
@@ -173,10 +172,6 @@ def render_call(call: dict[str, Any]) -> str:
     return json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False, separators=(",", ":"))
 
 
-def render_result(name: str | None, call_id: str, content: str) -> str:
-    return f"Result of function {name or '?'} (call {call_id}):\n{content}"
-
-
 def parse_calls(text: str, tools: list[dict[str, Any]], whole: bool = True) -> list[tuple[str, Any]] | None:
     """[(name, arguments)] of a reply made of JSON calls, one per line, or None when the reply is text.
     `whole=False` (a reply cut by max_tokens): the complete calls before the cut."""
@@ -207,7 +202,8 @@ def render(messages: list[dict[str, Any]], mode: str, tools: list[dict[str, Any]
     for m in messages:
         text, call_id = m["content"], m["tool_call_id"]
         if m["role"] == "tool":
-            out.append({"role": "user", "content": render_result(names.get(call_id), call_id or "?", text)})
+            name = names.get(call_id) or "?"
+            out.append({"role": "user", "content": f"Result of function {name} (call {call_id or '?'}):\n{text}"})
             continue
         if m["tool_calls"]:
             text = "\n".join([text] * bool(text) + [render_call(c) for c in m["tool_calls"]])

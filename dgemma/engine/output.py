@@ -117,8 +117,7 @@ class OutputStream:
                       self.logprobs[:len(ids)] if logprobs else None, self.tool_calls)
 
     def _end(self, reason: str) -> list[StreamEvent]:
-        """A normal end: the text held back (a stop string may complete it), or with tools the reply: its calls
-        (finish reason "tool_calls" when whole) or its text as one delta."""
+        """A normal end: the text held back (a stop string may complete it), or with tools the reply's calls."""
         tail = self._push([], final=True)
         reason = "stop" if self.stopped else reason
         if self.tools is not None:

@@ -290,10 +290,6 @@ class _Choice:
     t_first: float | None = None
     tokens: int = 0
 
-    @property
-    def finish_reason(self) -> str | None:
-        return self.output.finish_reason
-
 
 class Generation:
     """One HTTP request's choices in the engine: engine events in, (choice index, StreamEvent) out, as the Python
@@ -335,11 +331,11 @@ class Generation:
     async def events(self) -> AsyncIterator[tuple[int, StreamEvent]]:
         """Each choice's StreamEvents, and "start" when it enters the batch. A "done" event carries the choice's
         Result when it ended normally; else `errors[index]` says why not."""
-        open_choices = sum(c.finish_reason is None for c in self.choices.values())
+        open_choices = sum(c.output.finish_reason is None for c in self.choices.values())
         while open_choices:
             event = await self.queue.get()
             choice = self.choices.get(event.request_id)
-            if choice is None or choice.finish_reason is not None:
+            if choice is None or choice.output.finish_reason is not None:
                 continue
             if event.kind == "start":
                 yield choice.index, StreamEvent("start")
@@ -362,7 +358,7 @@ class Generation:
 
     def close(self) -> None:
         with self._feeding:  # a choice's event may still be in a worker thread
-            unfinished = [c for c in self.choices.values() if c.finish_reason is None]
+            unfinished = [c for c in self.choices.values() if c.output.finish_reason is None]
             for c in unfinished:
                 c.output.feed(Event(c.request_id, "finish", finish_reason="abort"))
                 self._record(c)
@@ -377,18 +373,15 @@ class Generation:
             for item in items:
                 if item.kind == "text" and c.t_first is None and item.token_ids:
                     c.t_first, c.first_tokens = time.perf_counter(), len(item.token_ids)
-                elif item.kind == "done":
-                    self._done(c, item)
-            return items
-
-    def _done(self, c: _Choice, item: StreamEvent) -> None:
-        if c.output.stopped:
-            self.service.worker.abort([c.request_id])  # harmless when the engine already finished it
-        self._record(c)
-        if item.finish_reason in ("stop", "length", "tool_calls"):
-            item.result = c.output.result(0, c.logprobs)
-        else:
-            self.errors[c.index] = self._error(item.finish_reason, c.tokens)
+                if item.kind != "done":
+                    continue
+                if c.output.stopped:
+                    self.service.worker.abort([c.request_id])  # harmless when the engine already finished it
+                self._record(c)
+                if item.finish_reason in ("stop", "length", "tool_calls"):
+                    item.result = c.output.result(0, c.logprobs)
+                else:
+                    self.errors[c.index] = self._error(item.finish_reason, c.tokens)
 
     def _error(self, reason: str, tokens: int) -> ApiError:
         if reason == "abort":
@@ -407,4 +400,4 @@ class Generation:
         ttft = None if c.t_first is None else c.t_first - self.t_arrival
         later = c.tokens - c.first_tokens
         tpot = (now - c.t_first) / later if c.t_first is not None and later > 0 else None
-        self.service.metrics.choice_finished(c.finish_reason, now - self.t_arrival, ttft, tpot, c.tokens)
+        self.service.metrics.choice_finished(c.output.finish_reason, now - self.t_arrival, ttft, tpot, c.tokens)
