@@ -382,6 +382,7 @@ class Generation:
                     item.result = c.output.result(0, c.logprobs)
                 else:
                     self.errors[c.index] = self._error(item.finish_reason, c.tokens)
+            return items
 
     def _error(self, reason: str, tokens: int) -> ApiError:
         if reason == "abort":
