@@ -23,6 +23,7 @@ from dgemma.options import MODES, SAMPLINGS
 from dgemma.quant import QuantizedWeight, a8, int4cpu, kernel_summary, parse_quantize
 from dgemma.quant import summary as quant_summary
 from dgemma.sampling import Limits, SamplingParams, SamplingParamsError
+from dgemma.sampling.params import check_length
 from dgemma.sampling.constraints import GrammarVocab, shared_vocab
 from dgemma.sampling.fused import vocab_chunk
 from dgemma.sampling.seeded import Layout, edit_parts, parse_template, renoised_positions
@@ -130,7 +131,7 @@ class Model:
         longest token hold, x CHAR_MARGIN) is refused before any tokenizing, so its cost is bounded by the limit,
         not by its length."""
         if isinstance(prompt, (str, list)) and not prompt:
-            raise SamplingParamsError("empty prompt", "prompt")
+            self.check_ids([])  # refused there: an empty text would still tokenize to a BOS
         chat = _is_chat(prompt)
         if chat:
             tools = tools if isinstance(tools, ToolUse) else self.tool_use(tools)
@@ -159,16 +160,14 @@ class Model:
         """The most tokens a prompt may have: the context less one new token, and the deployment's cap."""
         return min(self.max_context - 1, limits.max_prompt_tokens or self.max_context)
 
-    def _check_length(self, prompt: Prompt, max_tokens: int) -> None:
-        message = f"the prompt has {{}} {{}}; at most {max_tokens} tokens are allowed"
+    def _check_length(self, prompt: Prompt, max_tokens: int | None = None, param: str = "prompt") -> None:
+        """A prompt, or a seeded canvas's text (suffix, template, draft), that cannot fit in `max_tokens` (default:
+        the context) is refused untokenized."""
+        max_tokens = max_tokens or self.max_context
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            size, unit, cap = len(prompt), "tokens", max_tokens
-        else:
-            per_token = self.tokenizer.max_token_chars if self.tokenizer is not None else 1
-            size, unit, cap = _chars(prompt), "characters", max_tokens * per_token * CHAR_MARGIN
-            message += f", which no text over {cap} characters fits in"
-        if size > cap:
-            raise SamplingParamsError(message.format(size, unit), "prompt")
+            return check_length(param, len(prompt), max_tokens)
+        per_token = self.tokenizer.max_token_chars if self.tokenizer is not None else 1
+        check_length(param, _chars(prompt), max_tokens, "characters", max_tokens * per_token * CHAR_MARGIN)
 
     def check_ids(self, ids: list[int]) -> list[int]:
         vocab = self.module.cfg.text.vocab_size
@@ -211,10 +210,11 @@ class Model:
         if len(given) != 1 or (renoise is None) != (edit is None):
             raise SamplingParamsError("give one of suffix, template, or edit with renoise", (given or ["edit"])[-1])
         if suffix is not None:
-            hole = options.get("max_new_tokens") or self.defaults.max_new_tokens
+            hole = options.get("max_new_tokens")
+            hole = self.defaults.max_new_tokens if hole is None else hole
             return Layout.from_parts([hole, self._text_ids(suffix, "suffix")], echo=False, param="suffix")
         if template is not None:
-            self._check_text_fits(template, "template", limit)
+            self._check_length(template, limit, "template")
             parts = parse_template(template, limit)
             return Layout.from_parts([p if isinstance(p, int) else self._text_ids(p, "template") for p in parts],
                                      limit=limit)
@@ -236,44 +236,28 @@ class Model:
     def _text_ids(self, text: str, param: str) -> list[int]:
         if not isinstance(text, str) or not text:
             raise SamplingParamsError(f"{param} must be a non-empty string", param)
-        self._check_text_fits(text, param)
+        self._check_length(text, None, param)
         return self._require_tokenizer().encode(text, add_bos=False)
 
     def _text_offsets(self, text: str, limit: int) -> tuple[list[int], list[tuple[int, int]]]:
-        self._check_text_fits(text, "edit", limit)
+        self._check_length(text, limit, "edit")
         enc = self._require_tokenizer().tok.encode_batch([text], add_special_tokens=False)[0]  # GIL released
         return enc.ids, enc.offsets
-
-    def _check_text_fits(self, text: str, param: str, limit: int | None = None) -> None:
-        """A seeded canvas's text (suffix, template, draft) that cannot fit in `limit` tokens (default: the
-        context): refused untokenized."""
-        try:
-            self._check_length(text, limit or self.max_context)
-        except SamplingParamsError as e:
-            raise SamplingParamsError(str(e).replace("the prompt", f"the {param}"), param) from None
 
     def check_request(self, ids: list[int], params: SamplingParams, limits: Limits = Limits(),
                       mode: str = "diffusion", sampling: str = "fast") -> None:
         """Everything about a request that needs the model: the one validation path (SamplingParams)."""
-        seeded, grammar = params.seeded, params.grammar
-        if (seeded is not None and (mode, sampling) != ("diffusion", "fast")) or (grammar and sampling != "fast"):
-            raise SamplingParamsError("constrained and seeded output need the fast sampler (seeded: in diffusion "
-                                      "mode)", (seeded or grammar).param)
-        if params.logprobs is not None and (mode, sampling) != ("diffusion", "fast"):
-            raise SamplingParamsError("logprobs need fast diffusion decoding", "logprobs")
-        if seeded is not None and not params.eos_token_ids:
-            raise SamplingParamsError("a suffix, template or edit needs an end-of-sequence token", seeded.param)
+        eos = params.eos_token_ids or ()
+        params.check_decoding(mode, sampling, eos, self.tokenizer is not None)
         params.validate(self.module.cfg.text.vocab_size, self.max_context, len(ids), limits, self.cache_bytes)
         if params.stop and self.tokenizer is None:
             raise SamplingParamsError("stop strings need a tokenizer; this checkpoint has none", "stop")
         if params.grammar is not None:  # a matcher for this grammar: it must be able to match something
-            self.grammar_vocab(params.grammar.param).matcher(params.grammar, params.eos_token_ids or ())
+            self.grammar_vocab().matcher(params.grammar, eos)
 
-    def grammar_vocab(self, param: str = "grammar") -> GrammarVocab:
+    def grammar_vocab(self) -> GrammarVocab:
         """The vocabulary as the grammar engine sees it (built on first use)."""
-        if self.tokenizer is None:
-            raise SamplingParamsError("constrained output needs a tokenizer; this checkpoint has none", param)
-        return shared_vocab(self, self.tokenizer.tok.to_str(), self.module.cfg.text.vocab_size,
+        return shared_vocab(self, self._require_tokenizer().tok.to_str(), self.module.cfg.text.vocab_size,
                             self.defaults.eos_token_ids or ())
 
     # ---- generation -------------------------------------------------------------------------------------

@@ -44,8 +44,6 @@ class EngineStats:
 
 
 class Engine(Runner):
-    constrains = seeds = True
-
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], pad_id: int = 0, max_batch: int = 16,
                  prefix_cache: PrefixCache | None = None, features: tuple[Feature, ...] = FEATURES,
                  row_clocks: bool = True):

@@ -17,6 +17,7 @@ MAX_NEW_TOKENS = 1_000_000
 MAX_DENOISING_STEPS = 10_000
 MAX_SEED = 2**64 - 1
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
+DIFFUSION_ONLY = ("logprobs",)  # SamplingParams fields the autoregressive and reference decoders cannot follow
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,22 @@ class SamplingParams:
             if self.grammar is not None:
                 _fail("a grammar and a seeded canvas (suffix, template, edit) cannot be combined", self.seeded.param)
 
+    def check_decoding(self, mode: str, sampling: str, eos: tuple[int, ...], tokenizer: bool) -> None:
+        """What a request asks of its decoding (`mode`, `sampling`) and of the checkpoint (its end-of-sequence ids
+        `eos`, whether it has a `tokenizer` for grammars): checked by the API before a request is made and by every
+        engine (runner.make_request). A field only fast diffusion decoding follows: its name in DIFFUSION_ONLY."""
+        g, s, fast_diffusion = self.grammar, self.seeded, (mode, sampling) == ("diffusion", "fast")
+        only = next((name for name in DIFFUSION_ONLY if getattr(self, name) is not None), None)
+        for broken, message, param in (
+                (g and sampling != "fast", "constrained output needs the fast sampler", g and g.param),
+                (g and not tokenizer, "constrained output needs a tokenizer; this checkpoint has none", g and g.param),
+                (g and not eos, "constrained output needs an end-of-sequence token", g and g.param),
+                (s and not fast_diffusion, "a suffix, template or edit needs fast diffusion decoding", s and s.param),
+                (s and not eos, "a suffix, template or edit needs an end-of-sequence token", s and s.param),
+                (only and not fast_diffusion, f"{only} needs fast diffusion decoding", only)):
+            if broken:
+                _fail(message, param)
+
     def validate(self, vocab_size: int | None = None, max_context: int | None = None, prompt_len: int = 0,
                  limits: Limits = Limits(), cache_bytes: Callable[[int], int] | None = None) -> None:
         """Checks that need the model or the deployment: eos ids inside the vocabulary, prompt + output inside
@@ -121,7 +138,7 @@ class SamplingParams:
             self.seeded.check(vocab_size)
         if vocab_size is not None and self.eos_token_ids and max(self.eos_token_ids) >= vocab_size:
             _fail(f"eos_token_ids={self.eos_token_ids!r} outside the vocabulary (size {vocab_size})", "eos_token_ids")
-        _cap("prompt", prompt_len, limits.max_prompt_tokens, "the prompt has {} tokens; at most {} are allowed")
+        check_length("prompt", prompt_len, limits.max_prompt_tokens)
         _cap("max_new_tokens", self.max_new_tokens, limits.max_new_tokens, "max_new_tokens ({}) exceeds the limit ({})")
         _cap("stop", len(self.stop), limits.max_stop, "{} stop strings; at most {} are allowed")
         for s in self.stop:
@@ -175,6 +192,15 @@ class SamplingParams:
 
 def _fail(message: str, param: str) -> None:
     raise SamplingParamsError(message, param)
+
+
+def check_length(param: str, size: int, cap: int | None, unit: str = "tokens", fits: int | None = None) -> None:
+    """The length rule of a prompt or a seeded canvas's text: at most `cap` tokens (None: no cap). `size` counts
+    `unit`s; a text counted in characters before it is tokenized is held to `fits`, the most characters `cap` tokens
+    can hold."""
+    if cap is not None and size > (cap if fits is None else fits):
+        fit = "" if fits is None else f", which no text over {fits} characters fits in"
+        _fail(f"the {param} has {size} {unit}; at most {cap} tokens are allowed{fit}", param)
 
 
 def _cap(param: str, value: float, cap: float | None, message: str) -> None:

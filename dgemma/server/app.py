@@ -24,13 +24,13 @@ from dgemma.server.config import ServerConfig
 from dgemma.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
-    Chunks,
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
     Health,
     ModelCard,
     ModelList,
+    Shapes,
 )
 from dgemma.server.service import Generation, Service
 
@@ -200,14 +200,11 @@ async def _answer(gen: Generation, body: Any, request: Request, chat: bool) -> R
         gen.close()
     if results is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
-    choices = []
+    shapes, choices = Shapes(chat, gen.id, gen.created, gen.service.config.model_name), []
     for i, r in enumerate(results):
         logprobs = None if r.logprobs is None else body.format_logprobs(r.logprobs, gen.service.model.token_bytes, 0)
-        reply = {"message": assistant_message(r.text, r.tool_calls)} if chat else {"text": r.text}
-        choices.append({"index": i, **reply, "logprobs": logprobs, "finish_reason": r.finish_reason})
-    return JSONResponse({"id": gen.id, "object": "chat.completion" if chat else "text_completion",
-                         "created": gen.created, "model": gen.service.config.model_name, "choices": choices,
-                         "usage": gen.usage()}, headers=ignored)
+        choices.append(shapes.answer(i, r.text, logprobs, r.finish_reason, assistant_message(r.text, r.tool_calls)))
+    return JSONResponse(shapes.response(choices, gen.usage()), headers=ignored)
 
 
 async def _stream(gen: Generation, body: Any, request: Request, chat: bool, headers: dict[str, str]) -> Response:
@@ -225,7 +222,7 @@ async def _stream(gen: Generation, body: Any, request: Request, chat: bool, head
         gen.close()
         raise
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    chunks = Chunks(chat, gen.id, gen.created, gen.service.config.model_name, include_usage)
+    chunks = Shapes(chat, gen.id, gen.created, gen.service.config.model_name, include_usage)
     return EventStream(_events(gen, chunks, _chain(first, events), body), on_close=gen.close, headers=headers)
 
 
@@ -235,7 +232,7 @@ async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield item
 
 
-async def _events(gen: Generation, chunks: Chunks, events: AsyncIterator[Any], body: Any) -> AsyncIterator[bytes]:
+async def _events(gen: Generation, chunks: Shapes, events: AsyncIterator[Any], body: Any) -> AsyncIterator[bytes]:
     """Role chunks, then committed text per canvas (and drafts when asked), a finish chunk per choice (after the
     reply's tool calls, each whole as its own delta), the usage chunk when asked, then [DONE]. An error mid-stream
     sends an error object, then [DONE]."""

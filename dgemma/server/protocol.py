@@ -90,7 +90,7 @@ class OpenAIRequest(_Strict):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
 
     model: Text | None = Field(None, description="the served model's id (GET /v1/models); may be omitted")
-    max_tokens: int | None = Field(None, ge=1, description="exact cap on generated tokens per choice")
+    max_tokens: int | None = Field(None, description="exact cap on generated tokens per choice (>= 1)")
     n: int = Field(1, ge=1, description="choices per prompt; choice i uses seed + i")
     stop: Stop | None = Field(None, description="stop string(s); the text ends before the first one")
     stream: bool = False
@@ -117,6 +117,10 @@ class OpenAIRequest(_Strict):
     dgemma_sampling: DgemmaSampling | None = Field(None, description=(
         "dgemma extension: denoising steps, entropy bound and the temperature schedule; omitted fields keep the "
         "checkpoint's (GET /v1/models shows them)"))
+
+    def renamed(self) -> dict[str, str]:
+        """SamplingParams fields this request sets under another name (max_new_tokens: the one it sets now)."""
+        return {"max_new_tokens": "max_tokens"}
 
     def unsupported(self) -> tuple[str, str] | None:
         """The first field that asks for a feature this server does not have: (param, what)."""
@@ -157,7 +161,7 @@ class OpenAIRequest(_Strict):
 class CompletionRequest(OpenAIRequest):
     prompt: Prompt = Field(description="text, several texts, token ids, or several token-id lists")
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, description=f"alternatives per token, 0 to {MAX_LOGPROBS}")
     best_of: int | None = Field(None, ge=1)
     suffix: Text | None = Field(None, description=(
         "infill: the text after the completion, held fixed in the canvas while the text between prompt and suffix "
@@ -258,9 +262,9 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens when both are set")
+    max_completion_tokens: int | None = Field(None, description="preferred over max_tokens when both are set")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, description=f"alternatives per token, 0 to {MAX_LOGPROBS}")
     tools: list[dict[str, Any]] | None = None
     tool_choice: Text | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = Field(None, description="several calls in one reply (default true)")
@@ -278,6 +282,10 @@ class ChatCompletionRequest(OpenAIRequest):
 
     def unsupported(self) -> tuple[str, str] | None:
         return self._unsupported_extras() or super().unsupported()
+
+    def renamed(self) -> dict[str, str]:
+        tokens = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+        return {"max_new_tokens": tokens} | ({"logprobs": "top_logprobs"} if self.top_logprobs is not None else {})
 
     def tool_use(self, tokenizer: Any = None) -> tool_calls.ToolUse:
         """The request's tool calls, checked on the first call (SamplingParamsError naming the field);
@@ -321,7 +329,7 @@ class ChatCompletionRequest(OpenAIRequest):
                  m.tool_calls or ()] or None, "tool_call_id": m.tool_call_id} for m in self.messages]
 
 
-# ---- responses (documentation and tests; the routes build plain dicts) ---------------------------------------
+# ---- responses (documentation and tests; the routes build them with Shapes) --------------------------------------
 FinishReason = Literal["stop", "length", "tool_calls"]
 
 
@@ -409,32 +417,43 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
-# ---- stream chunks -----------------------------------------------------------------------------------------
-class Chunks:
-    """Builds the chunks of one streamed response: one id and `created` for all of them."""
+# ---- builders ----------------------------------------------------------------------------------------------
+class Shapes:
+    """Builds one response's objects, whole (`response`, `answer`) or streamed (`choice`, `usage`): one id,
+    `created` and model for all of them, and one choice shape for both (the models above document them)."""
 
-    def __init__(self, chat: bool, id: str, created: int, model: str, include_usage: bool):
+    def __init__(self, chat: bool, id: str, created: int, model: str, include_usage: bool = False):
         self.chat, self.include_usage = chat, include_usage
-        self.head = {"id": id, "object": "chat.completion.chunk" if chat else "text_completion",
-                     "created": created, "model": model}
+        self.id, self.created, self.model = id, created, model
+
+    def response(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+        return self._head("chat.completion" if self.chat else "text_completion", choices) | {"usage": usage}
+
+    def answer(self, index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None,
+               message: dict[str, Any] | None = None, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A choice: a completion's `text`, or chat's `message` (a whole response) or `delta` (a chunk)."""
+        body = {"delta": delta} if delta is not None else {"message": message} if self.chat else {"text": text}
+        return {"index": index} | body | {"logprobs": logprobs, "finish_reason": finish_reason}
 
     def choice(self, index: int, text: str | None = None, finish_reason: str | None = None, role: bool = False,
-               call: tuple[int, dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
-        """`call`: (its index in the reply, an OpenAI tool call), sent whole as one delta."""
+               call: tuple[int, dict[str, Any]] | None = None, logprobs: dict[str, Any] | None = None,
+               **extra: Any) -> dict[str, Any]:
+        """A chunk of one choice. `call`: (its index in the reply, an OpenAI tool call), sent whole as one delta."""
+        delta = None
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
             if call is not None:
                 delta = {"tool_calls": [{"index": call[0]} | call[1]]}
-            item = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        else:
-            item = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return self._chunk([item | extra])
+        return self._chunk([self.answer(index, text or "", logprobs, finish_reason, delta=delta) | extra])
 
     def usage(self, usage: dict[str, int]) -> dict[str, Any]:
-        return self.head | {"choices": [], "usage": usage}
+        return self._chunk([]) | {"usage": usage}
+
+    def _head(self, object: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices}
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        chunk = self.head | {"choices": choices}
+        chunk = self._head("chat.completion.chunk" if self.chat else "text_completion", choices)
         if self.include_usage:
             chunk["usage"] = None
         return chunk

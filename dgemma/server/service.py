@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -131,10 +132,9 @@ class Service:
         self.check_model(body.model)
         if (feature := body.unsupported()) is not None:
             raise unsupported(*feature)
-        if body.stream_options is not None and not body.stream:
-            raise bad_request("stream_options needs stream=true", "stream_options")
-        if body.dgemma_drafts and not body.stream:
-            raise bad_request("dgemma_drafts needs stream=true", "dgemma_drafts")
+        for name in ("stream_options", "dgemma_drafts"):
+            if getattr(body, name) and not body.stream:
+                raise bad_request(f"{name} needs stream=true", name)
         if self.config.mode == "autoregressive" and (feature := _diffusion_only(body)) is not None:
             raise unsupported(feature, f"{feature} in autoregressive mode (--mode autoregressive)")
         if body.temperature is not None and {"t_min", "t_max"} & _overrides(body).keys():
@@ -190,9 +190,8 @@ class Service:
                     key: int | None) -> tuple[list[Plan], int]:
         """One Plan per choice; every check is SamplingParams' (through `Model.check_request`)."""
         plans, prompt_tokens = [], 0
-        tokens_param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
-        names = {"prompt": param, "max_new_tokens": tokens_param, "t_max": "temperature",
-                 "ar_temperature": "temperature"}
+        renamed = body.renamed()
+        names = {"prompt": param, "t_max": "temperature", "ar_temperature": "temperature"} | renamed
         names |= {k: f"dgemma_sampling.{k}" for k in _overrides(body)} | SEEDED_PARAMS
         limit = self.model.prompt_limit(self.config.limits)
         for prompt in prompts:
@@ -201,8 +200,8 @@ class Service:
                 ids = await self._off_loop(self.model.encode_prompt, prompt, limit, body.tool_use())
                 params = await self._off_loop(self._choice_params, body, ids, _partition(key, body.cache_salt))
                 plans += [Plan(ids, p) for p in params]
-            except SamplingParamsError as e:  # max_new_tokens is named as the client named it
-                message = str(e).replace("max_new_tokens", tokens_param)
+            except SamplingParamsError as e:  # a field is named as the client named it
+                message = re.sub(rf"\b{e.param}\b", renamed[e.param], str(e)) if e.param in renamed else str(e)
                 raise bad_request(message, names.get(e.param, e.param)) from None
             except DgemmaError as e:
                 raise bad_request(str(e), param) from None
@@ -213,14 +212,14 @@ class Service:
         """The n choices of a prompt: choice i has seed + i. The starting canvas and the renoising are random
         even when sampling is near-greedy, so temperature 0 without a seed uses seed 0 (reproducible)."""
         model = self.model
-        requested = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        new = getattr(body, body.renamed()["max_new_tokens"])
         room = max(1, model.max_context - len(ids))
-        new = requested or min(model.defaults.max_new_tokens, room, self.config.max_tokens or room)
+        new = min(model.defaults.max_new_tokens, room, self.config.max_tokens or room) if new is None else new
         greedy = body.temperature is not None and body.temperature < GREEDY_T
         base = 0 if body.seed is None and greedy else body.seed
         sampling = schedule(body.temperature) if self.config.mode == "diffusion" else \
             {"ar_temperature": body.temperature} if body.temperature is not None else {}
-        first = model.params(max_new_tokens=new, seed=base, stop=_stops(body.stop), grammar=body.grammar(),
+        first = model.params(max_new_tokens=new, seed=base, stop=body.stop, grammar=body.grammar(),
                              logprobs=body.logprob_count(), **sampling, **_overrides(body), cache_salt=partition,
                              layout_limit=min(room, self.config.max_tokens or room), **body.seeded())
         model.check_request(ids, first, self.config.limits, self.config.mode)
@@ -263,10 +262,6 @@ def _partition(key: int | None, salt: str | None) -> str | None:
 
 def _earliest(*timeouts: float | None) -> float | None:
     return min((t for t in timeouts if t is not None), default=None)
-
-
-def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
-    return (stop,) if isinstance(stop, str) else tuple(stop or ())
 
 
 class Lease:
