@@ -126,7 +126,7 @@ class Model:
     # ---- inputs -----------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, max_tokens: int | None = None,
                       tools: ToolUse | list[dict[str, Any]] | None = None) -> list[int]:
-        """Text, chat messages (rendered with `tools`: OpenAI tool objects or a `tool_use`) or ids -> checked ids.
+        """Text, chat messages (rendered with `tools`: OpenAI tool objects or a chat.tools.ToolUse) or ids -> ids.
         With `max_tokens`, a prompt that cannot fit in that many tokens (more characters than that many of the
         longest token hold, x CHAR_MARGIN) is refused before any tokenizing, so its cost is bounded by the limit,
         not by its length."""
@@ -134,7 +134,7 @@ class Model:
             self.check_ids([])  # refused there: an empty text would still tokenize to a BOS
         chat = _is_chat(prompt)
         if chat:
-            tools = tools if isinstance(tools, ToolUse) else self.tool_use(tools)
+            tools = tools if isinstance(tools, ToolUse) else ToolUse.of(tools, None, None, None, False, self.tokenizer)
             prompt = tools.messages(list(prompt))
         if max_tokens is not None:
             self._check_length(prompt, max_tokens)
@@ -149,12 +149,6 @@ class Model:
         else:
             raise SamplingParamsError("a prompt is text, a list of chat messages, or a list of token ids", "prompt")
         return self.check_ids(ids)
-
-    def tool_use(self, tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
-                 parallel_tool_calls: bool | None = None, grammar: Any = None, logprobs: bool = False) -> ToolUse:
-        """A chat's tools (OpenAI tool objects) and tool_choice ("none", "auto" (the default with tools), "required"
-        or {"type": "function", "function": {"name": ...}}), checked; the chat template picks the call syntax."""
-        return ToolUse.of(tools, tool_choice, parallel_tool_calls, grammar, logprobs, self.tokenizer, "grammar")
 
     def prompt_limit(self, limits: Limits = Limits()) -> int:
         """The most tokens a prompt may have: the context less one new token, and the deployment's cap."""
@@ -265,8 +259,9 @@ class Model:
                  **options: Any) -> Result | list[Result]:
         """Generate for one prompt (returns a Result) or a list of prompts decoded as one batch. `mode`:
         diffusion or autoregressive; `sampling` (diffusion): fast, or reference (transformers draw for draw);
-        `options`: SamplingParams fields, and for chat messages `tools`, `tool_choice`, `parallel_tool_calls` (see
-        `tool_use`; a reply of calls has Result.tool_calls)."""
+        `options`: SamplingParams fields, and for chat messages OpenAI's `tools`, `tool_choice` ("none", "auto" (the
+        default with tools), "required", {"type": "function", "function": {"name": ...}}) and `parallel_tool_calls`
+        (a reply of calls has Result.tool_calls; the chat template picks the call syntax)."""
         batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
         prompts = prompt if batch else [prompt]
         results = {i: ev.result for i, ev in self._run(prompts, mode, sampling, options, False) if ev.kind == "done"}
@@ -301,7 +296,8 @@ class Model:
     def _run(self, prompts: list[Prompt], mode: str, sampling: str, options: dict[str, Any],
              drafts: bool) -> Iterator[tuple[int, StreamEvent]]:
         chat = [options.pop(k, None) for k in ("tools", "tool_choice", "parallel_tool_calls")]
-        tools = self.tool_use(*chat, options.get("grammar"), options.get("logprobs") is not None)
+        tools = ToolUse.of(*chat, options.get("grammar"), options.get("logprobs") is not None, self.tokenizer,
+                           "grammar")
         if tools.mode != "none" and not all(_is_chat(p) for p in prompts):
             raise SamplingParamsError("tools need a prompt of chat messages", "tools")
         params = self.params(**(options | ({"grammar": tools.grammar()} if tools.mode != "none" else {})))

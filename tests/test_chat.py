@@ -77,7 +77,7 @@ def test_earlier_calls_and_results_are_in_the_prompt(demo):
         {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
                                               "function": {"name": "get_time", "arguments": {"zone": 1}}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
-    text = demo.tokenizer.decode(demo.encode_prompt(messages, tools=demo.tool_use(TOOLS)))
+    text = demo.tokenizer.decode(demo.encode_prompt(messages, tools=TOOLS))
     assert '{"name":"get_time","arguments":{"zone":1}}' in text
     assert "Result of function get_time (call c1):\n12:00" in text
     assert '{"name":"get_weather","description":"weather","parameters":' in text  # the system block
