@@ -10,9 +10,9 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr,
                       WrapValidator, field_validator)
 from pydantic_core import PydanticCustomError
 
+from dgemma.chat import tools as tool_calls
 from dgemma.sampling import Grammar, SamplingParamsError
 from dgemma.sampling.params import MAX_LOGPROBS
-from dgemma.server import tools as tool_calls
 from dgemma.server.formats import SEEDED, response_grammar, seeded_options
 
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
@@ -150,8 +150,8 @@ class OpenAIRequest(_Strict):
         """Alternatives per token for `SamplingParams.logprobs`; None: no logprobs."""
         return None
 
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """Tools for a chat template that declares them (the checkpoint's own tool syntax)."""
+    def tool_use(self, tokenizer: Any = None) -> tool_calls.ToolUse | None:
+        """A chat's tools (chat/tools.py); None: not a chat."""
         return None
 
     def format_logprobs(self, entries: list, token_bytes: Any, offset: int) -> dict[str, Any]:
@@ -301,9 +301,6 @@ class ChatCompletionRequest(OpenAIRequest):
                                                    self.response_format, self.logprobs, tokenizer)
         return self._tool_use
 
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        return self.tool_use().declared
-
     def logprob_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise SamplingParamsError("top_logprobs needs logprobs=true", "top_logprobs")
@@ -332,12 +329,10 @@ class ChatCompletionRequest(OpenAIRequest):
         }
         return next(((name, name.replace("_", " ")) for name, asked in asks.items() if asked), None)
 
-    def chat(self) -> list[dict[str, str]]:
-        """Messages for the chat template ("developer" is the newer name of "system"); with tools: ToolUse.messages."""
-        plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.template_content(),
-                  "tool_calls": [c.model_dump() for c in m.tool_calls or ()] or None, "tool_call_id": m.tool_call_id}
-                 for m in self.messages]
-        return self.tool_use().messages(plain)
+    def chat(self) -> list[dict[str, Any]]:
+        """The messages as `Model.encode_prompt` takes them (rendered there by `tool_use()`)."""
+        return [{"role": m.role, "content": m.template_content(), "tool_calls": [c.model_dump() for c in
+                 m.tool_calls or ()] or None, "tool_call_id": m.tool_call_id} for m in self.messages]
 
 
 # ---- responses (documentation and tests; the routes build them with Shapes) --------------------------------------
