@@ -49,7 +49,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     options = {"max_new_tokens": args.max_new_tokens, "max_denoising_steps": args.steps, "t_min": args.t_min,
                "t_max": args.t_max, "entropy_bound": args.entropy_bound, "seed": args.seed,
                "stop": tuple(args.stop) or None, "ar_temperature": args.ar_temperature,
-               "mode": args.mode, "sampling": args.sampling, "grammar": _grammar(args)}
+               "mode": args.mode, "sampling": args.sampling, "grammar": _grammar(args),
+               "soft_top_k": args.soft_top_k, "skip_settled": args.skip_settled,
+               "settled_kv_reuse": args.settled_kv_reuse}
     if args.json:
         print(json.dumps(model.generate(prompt, **options).to_dict()))
         return 0
@@ -62,7 +64,10 @@ def _check_mode_options(args: argparse.Namespace) -> None:
     """Options of the other decoding mode would be ignored: refuse them instead."""
     if args.mode == "autoregressive":
         given = [flag for flag, value in (("--steps", args.steps), ("--t-min", args.t_min), ("--t-max", args.t_max),
-                                          ("--entropy-bound", args.entropy_bound)) if value is not None]
+                                          ("--entropy-bound", args.entropy_bound),
+                                          ("--soft-top-k", args.soft_top_k),
+                                          ("--skip-settled", args.skip_settled),
+                                          ("--settled-kv-reuse", args.settled_kv_reuse)) if value is not None]
         given += ["--sampling reference"] * (args.sampling == "reference")
         if given:
             raise DgemmaError(f"{given[0]} applies to diffusion decoding; --mode autoregressive samples with "
@@ -112,6 +117,12 @@ def _add_generate(sub) -> None:
     p.add_argument("--t-min", type=float, help="final temperature of the linear schedule")
     p.add_argument("--t-max", type=float, help="initial temperature of the linear schedule")
     p.add_argument("--entropy-bound", type=float, help="entropy budget for accepting tokens per step")
+    p.add_argument("--soft-top-k", type=int, metavar="K",
+                   help="opt-in: self-conditioning over each position's K most likely tokens (changes outputs)")
+    p.add_argument("--skip-settled", type=int, metavar="N",
+                   help="opt-in: positions settled for N steps leave the head work (changes outputs)")
+    p.add_argument("--settled-kv-reuse", action="store_true", default=None,
+                   help="opt-in, with --skip-settled: settled positions leave the body too, their keys/values reused")
     p.add_argument("--seed", type=int, help="random seed (same seed, same output)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--sampling", choices=SAMPLINGS, default=SAMPLINGS[0],

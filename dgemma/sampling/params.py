@@ -17,7 +17,9 @@ MAX_NEW_TOKENS = 1_000_000
 MAX_DENOISING_STEPS = 10_000
 MAX_SEED = 2**64 - 1
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
-DIFFUSION_ONLY = ("logprobs",)  # SamplingParams fields the autoregressive and reference decoders cannot follow
+MAX_SOFT_TOP_K = 1 << 20
+# SamplingParams fields the autoregressive and reference decoders cannot follow
+DIFFUSION_ONLY = ("logprobs", "soft_top_k", "skip_settled", "settled_kv_reuse")
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,12 @@ class SamplingParams:
     seeded: Layout | None = None  # fixed tokens and holes (sampling/seeded.py); sets max_new_tokens
     logprobs: int | None = None  # report log-probabilities with this many alternatives (sampling/logprobs.py)
     cache_salt: str | None = None  # prefix-cache partition: only prefixes cached under the same salt are reused
+    # opt-in savings that change outputs (docs/performance.md): a sparse self-conditioning soft embedding over each
+    # position's k most likely tokens; positions settled for this many steps left out of the step (sampling/fused.py),
+    # and with settled_kv_reuse out of the body too (their keys and values reused: approximate)
+    soft_top_k: int | None = None
+    skip_settled: int | None = None
+    settled_kv_reuse: bool | None = None
 
     def __post_init__(self) -> None:
         # Normalise containers so the object stays hashable: a bare str / int means a 1-tuple.
@@ -107,12 +115,26 @@ class SamplingParams:
             _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
             if self.seeded is not None:
                 _fail("logprobs with a suffix, template or edit are not supported", "logprobs")
+        self._check_savings()
         if self.seeded is not None:
             if not isinstance(self.seeded, Layout):
                 _fail("seeded must be a dgemma.sampling.seeded.Layout", "seeded")
             self.seeded.check()
             if self.grammar is not None:
                 _fail("a grammar and a seeded canvas (suffix, template, edit) cannot be combined", self.seeded.param)
+
+    def _check_savings(self) -> None:
+        if self.soft_top_k is not None:
+            _int_in("soft_top_k", self.soft_top_k, 1, MAX_SOFT_TOP_K)
+        if self.skip_settled is not None:
+            _int_in("skip_settled", self.skip_settled, 1, MAX_DENOISING_STEPS)
+            if self.grammar is not None or self.seeded is not None:
+                _fail("skip_settled with a grammar, suffix, template or edit is not supported", "skip_settled")
+        if self.settled_kv_reuse is not None:
+            if not isinstance(self.settled_kv_reuse, bool):
+                _fail(f"settled_kv_reuse={self.settled_kv_reuse!r} must be true or false", "settled_kv_reuse")
+            if self.settled_kv_reuse and (self.skip_settled is None or self.logprobs is not None):
+                _fail("settled_kv_reuse needs skip_settled and no logprobs", "settled_kv_reuse")
 
     def check_decoding(self, mode: str, sampling: str, eos: tuple[int, ...], tokenizer: bool) -> None:
         """What a request asks of its decoding (`mode`, `sampling`) and of the checkpoint (its end-of-sequence ids

@@ -78,6 +78,12 @@ class DgemmaSampling(_Strict):
     entropy_bound: float | None = Field(None, description="entropy budget of the positions one step accepts")
     t_min: float | None = Field(None, description="temperature at the last step (instead of `temperature`)")
     t_max: float | None = Field(None, description="temperature at the first step (instead of `temperature`)")
+    soft_top_k: int | None = Field(None, description=(
+        "opt-in saving (changes outputs): the self-conditioning signal over each position's k most likely tokens"))
+    skip_settled: int | None = Field(None, description=(
+        "opt-in saving (changes outputs): positions accepted and unchanged for this many steps skip the head"))
+    settled_kv_reuse: bool | None = Field(None, description=(
+        "opt-in saving (changes outputs), with skip_settled: settled positions skip the body too (keys reused)"))
 
     def overrides(self) -> dict[str, Any]:
         return {k: v for k, v in self.model_dump().items() if v is not None}

@@ -6,7 +6,8 @@ from dgemma.engine.features.drafts import Drafts
 from dgemma.engine.features.grammar import Grammar
 from dgemma.engine.features.infill import Infill
 from dgemma.engine.features.logprobs import Logprobs
+from dgemma.engine.features.settled import Settled
 
-FEATURES: tuple[Feature, ...] = (Infill(), Grammar(), Logprobs(), Drafts())
+FEATURES: tuple[Feature, ...] = (Infill(), Grammar(), Logprobs(), Drafts(), Settled())
 
 __all__ = ["FEATURES", "Feature", "Step"]
