@@ -22,7 +22,7 @@ import torch
 
 from dgemma.cache import PrefixCache
 from dgemma.engine.batch import Canvas
-from dgemma.engine.features import FEATURES, Feature, Step
+from dgemma.engine.features import FEATURES, Feature, Step, settled
 from dgemma.engine.request import Event, Request
 from dgemma.engine.runner import Runner
 from dgemma.engine.scheduler import Batch, Scheduler, prefill_groups
@@ -46,8 +46,6 @@ class EngineStats:
 
 
 class Engine(Runner):
-    constrains = seeds = commits_early = True
-
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], pad_id: int = 0, max_batch: int = 16,
                  prefix_cache: PrefixCache | None = None, features: tuple[Feature, ...] = FEATURES,
                  row_clocks: bool = True):
@@ -134,10 +132,12 @@ class Engine(Runner):
             return  # aborted rows leave mid-canvas, so they stop costing compute
         cv, model = b.canvas, self.model
         self._count(cv)
-        hidden = model.denoise(cv.tokens, b.caches, cv.signal)
+        reuse = settled.reuse(b.rows, cv)
+        hidden = settled.denoise(model, b.rows, cv, b.caches, reuse)
         inv_temp = 1.0 / cv.temperature()
         out, signal = fast_step(hidden, model.lm_head, inv_temp, cv.entropy_bound, [r.generator for r in b.rows],
-                                cv.done, want_signal=not cv.last_step(b.rows))
+                                cv.done, want_signal=not cv.last_step(b.rows),
+                                top_k=[r.params.soft_top_k for r in b.rows], reuse=reuse)
         s = Step(b.rows, cv, hidden, model.lm_head, inv_temp, out, events, self.step_seconds)
         for f in self.features:
             f.step(s)

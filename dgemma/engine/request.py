@@ -20,6 +20,12 @@ class Stats:
     decoder_passes: int = 0
     eos_tokens: int = 0  # counted in tokens_per_forward, as transformers does
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of encoded
+    # opt-in savings (bench/flops.py counts them): canvas positions left out of the head / soft embedding, and
+    # soft embeddings computed sparse (top-k) instead of over the whole vocabulary
+    skipped_head_rows: int = 0
+    skipped_soft_rows: int = 0
+    sparse_soft_rows: int = 0
+    skipped_body_rows: int = 0  # canvas positions left out of the body (settled_kv_reuse)
     t_arrival: float = field(default_factory=time.perf_counter)
     t_start: float | None = None
     t_first_commit: float | None = None
@@ -31,6 +37,10 @@ class Stats:
             "steps_per_canvas": self.steps_per_canvas,
             "decoder_passes": self.decoder_passes,
             "cached_tokens": self.cached_tokens,
+            "skipped_head_rows": self.skipped_head_rows,
+            "skipped_soft_rows": self.skipped_soft_rows,
+            "sparse_soft_rows": self.sparse_soft_rows,
+            "skipped_body_rows": self.skipped_body_rows,
             "tokens_per_forward": (n_tokens + self.eos_tokens) / self.decoder_passes if self.decoder_passes else 0.0,
             "seconds": seconds,
             "queue_seconds": (self.t_start or self.t_arrival) - self.t_arrival,
@@ -56,6 +66,7 @@ class Request:
     sent: int = 0  # ids of this canvas committed early (params.early_commit), ahead of its commit
     early: Any = None  # early commit's history of this canvas (engine/features/early_commit.py)
     latency: Any = None  # a latency target's state: the request's own step cap (engine/features/latency.py)
+    settled: Any = None  # per-position settled runs, when params.skip_settled is set (engine/features/settled.py)
 
     @property
     def budget(self) -> int:

@@ -9,8 +9,9 @@ from dgemma.engine.features.grammar import Grammar
 from dgemma.engine.features.infill import Infill
 from dgemma.engine.features.latency import LatencyTarget
 from dgemma.engine.features.logprobs import Logprobs
+from dgemma.engine.features.settled import Settled
 
 FEATURES: tuple[Feature, ...] = (LatencyTarget(), EarlyStop(), Infill(), Grammar(), EarlyCommit(), Logprobs(),
-                                  Drafts())
+                                  Drafts(), Settled())
 
 __all__ = ["FEATURES", "Feature", "Step"]

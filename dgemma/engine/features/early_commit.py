@@ -13,7 +13,6 @@ from torch import Tensor
 
 from dgemma.engine.features.base import Feature, Step
 from dgemma.engine.request import Event, Request
-from dgemma.sampling import SamplingParamsError
 from dgemma.sampling.early import frozen_length, hold_prefix, settled, stable_runs
 from dgemma.sampling.logprobs import canvas_logprobs
 
@@ -27,10 +26,6 @@ class History:
 
 
 class EarlyCommit(Feature):
-    def attach(self, req: Request, runner) -> None:
-        if req.params.early_commit is not None and not runner.commits_early:
-            raise SamplingParamsError("early_commit needs fast diffusion decoding", "early_commit")
-
     def start(self, rows: list[Request], tokens: Tensor) -> None:
         for r in rows:
             r.sent, r.early = 0, None

@@ -6,16 +6,10 @@ from __future__ import annotations
 import torch
 
 from dgemma.engine.features.base import Feature, Step
-from dgemma.engine.request import Request
-from dgemma.sampling import SamplingParamsError
 from dgemma.sampling.early import confident
 
 
 class EarlyStop(Feature):
-    def attach(self, req: Request, runner) -> None:
-        if req.params.early_stop is not None and not runner.commits_early:
-            raise SamplingParamsError("early_stop needs fast diffusion decoding", "early_stop")
-
     def settle(self, s: Step) -> None:
         live = [i for i, r in enumerate(s.rows)
                 if r.params.early_stop is not None and not r.finished and not s.canvas.done[i]]

@@ -11,7 +11,6 @@ from torch import Tensor
 
 from dgemma.engine.features.base import Feature, Step
 from dgemma.engine.request import Request
-from dgemma.sampling import SamplingParamsError
 from dgemma.sampling.latency import step_budget
 
 
@@ -23,9 +22,7 @@ class Budget:
 
 class LatencyTarget(Feature):
     def attach(self, req: Request, runner) -> None:
-        if req.params.target_canvas_ms is not None:
-            if not runner.commits_early:
-                raise SamplingParamsError("target_canvas_ms needs fast diffusion decoding", "target_canvas_ms")
+        if req.params.target_canvas_ms is not None:  # what it needs: SamplingParams.check_decoding
             req.latency = Budget(req.params.max_denoising_steps)
 
     def start(self, rows: list[Request], tokens: Tensor) -> None:
