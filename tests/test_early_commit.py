@@ -183,3 +183,12 @@ def test_stop_strings_cut_early_text(model):
     assert len(stop) == 3 and full.text.find(stop) == 6
     cut = model.generate(PROMPT, max_new_tokens=64, seed=1, early_commit=2, stop=stop)
     assert (cut.text, cut.finish_reason) == (full.text[:6], "stop")
+
+
+@pytest.mark.parametrize("extra", [{"skip_settled": 2}, {"skip_settled": 2, "settled_kv_reuse": True},
+                                   {"soft_top_k": 8}])
+def test_early_commit_composes_with_the_step_savings(model, extra):
+    params = model.defaults.replace(max_new_tokens=64, seed=1, early_commit=2, **extra)
+    (req,), (events,) = _engine_run(model, [params])
+    assert any(not e.ends_canvas and e.token_ids for e in events)
+    assert [t for e in events for t in e.token_ids] == req.output
