@@ -33,6 +33,7 @@ from dgemma.quant.base import QuantizedWeight, workspace
 from dgemma.quant.intq import IntWeight, pack_int4, unpack_int4
 
 GROUPS = (32, 64, 128, 256)  # the kernel's group sizes
+TABLES_AT_ONCE = 16  # experts' scale tables built per batch (a token uses 8; 16 take 20 MB at the real width)
 
 
 def available() -> bool:
@@ -196,12 +197,13 @@ class CPUInt4Weight(QuantizedWeight):
         """x [R, K] sorted by expert (expert e owns rows ends[e-1]..ends[e]) times w[e].T -> [R, N] in x's dtype."""
         bounds = [0, *ends.tolist()]
         used = [e for e in range(self.shape[0]) if bounds[e + 1] > bounds[e]]
-        tables = scale_tables([self.scales[e].T for e in used], reuse=True)
         xb = x.to(torch.bfloat16)
         out = torch.empty(x.shape[0], self.shape[1], dtype=torch.bfloat16)
-        for e, table in zip(used, tables):
-            lo, hi = bounds[e], bounds[e + 1]
-            out[lo:hi] = torch._weight_int4pack_mm_for_cpu(xb[lo:hi], self.packed[e], self.group_size, table)
+        for c in range(0, len(used), TABLES_AT_ONCE):
+            chunk = used[c:c + TABLES_AT_ONCE]
+            for e, table in zip(chunk, scale_tables([self.scales[e].T for e in chunk], reuse=True)):
+                lo, hi = bounds[e], bounds[e + 1]
+                out[lo:hi] = torch._weight_int4pack_mm_for_cpu(xb[lo:hi], self.packed[e], self.group_size, table)
         return out.to(x.dtype)
 
 
