@@ -198,13 +198,13 @@ class CPUInt4Weight(QuantizedWeight):
         bounds = [0, *ends.tolist()]
         used = [e for e in range(self.shape[0]) if bounds[e + 1] > bounds[e]]
         xb = x.to(torch.bfloat16)
-        out = torch.empty(x.shape[0], self.shape[1], dtype=torch.bfloat16)
+        parts = [xb.new_empty(0, self.shape[1])]  # the used experts' rows, in order, make up all of x's rows
         for c in range(0, len(used), TABLES_AT_ONCE):
             chunk = used[c:c + TABLES_AT_ONCE]
-            for e, table in zip(chunk, scale_tables([self.scales[e].T for e in chunk], reuse=True)):
-                lo, hi = bounds[e], bounds[e + 1]
-                out[lo:hi] = torch._weight_int4pack_mm_for_cpu(xb[lo:hi], self.packed[e], self.group_size, table)
-        return out.to(x.dtype)
+            tables = scale_tables([self.scales[e].T for e in chunk], reuse=True)
+            parts += [torch._weight_int4pack_mm_for_cpu(xb[bounds[e]:bounds[e + 1]], self.packed[e], self.group_size,
+                                                         tables[i]) for i, e in enumerate(chunk)]
+        return torch.cat(parts).to(x.dtype)
 
 
 def scale_tables(scales_t: list[Tensor], reuse: bool = False) -> Tensor:
@@ -217,8 +217,8 @@ def scale_tables(scales_t: list[Tensor], reuse: bool = False) -> Tensor:
            for d in (torch.float32, torch.bfloat16, torch.int32)}
     for out, s in zip(buf[torch.float32], scales_t):
         out.copy_(s)
-    bits = buf[torch.int32].copy_(buf[torch.bfloat16].copy_(buf[torch.float32]).view(torch.int16))
-    return bits.bitwise_and_(0xFFFF).view(torch.bfloat16).view(*shape, 2)
+    bits = buf[torch.int32].copy_(buf[torch.bfloat16].copy_(buf[torch.float32]).view(torch.uint16))  # zero-extends
+    return bits.view(torch.bfloat16).view(*shape, 2)
 
 
 def _unpacked_codes(packed: Tensor, n: int, k: int, lay: Layout) -> Tensor:
