@@ -42,7 +42,7 @@ def workspace(numel: int, dtype: torch.dtype, device: torch.device, fresh: bool,
         return torch.empty(numel, dtype=dtype, device=device)
     ws = getattr(_local, "buffers", {})
     _local.buffers = ws
-    key = (dtype, device, use)
+    key = (dtype, device, use) if use else (dtype, device)
     buf = ws.get(key)
     if buf is None or buf.numel() < numel:
         with torch.inference_mode(False):  # a normal tensor: usable in and outside inference mode
