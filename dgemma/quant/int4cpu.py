@@ -37,7 +37,9 @@ TABLES_AT_ONCE = 16  # experts' scale tables built per batch (a token uses 8; 16
 
 
 def available() -> bool:
-    return sys.byteorder == "little" and hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_convert_weight_to_int4pack_for_cpu")
+    """torch has the kernel and its packer, and ints are little-endian (`scale_tables` writes bf16 pairs as int32)."""
+    kernel = hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_convert_weight_to_int4pack_for_cpu")
+    return kernel and sys.byteorder == "little"
 
 
 class Layout(NamedTuple):
