@@ -5,8 +5,8 @@ token (the first "text" event of Model.stream) and tokens/s; plus the held-out l
 training objective (dgemma.train.objective). Last stdout line JSON.
 
     python benchmarks/quality/evaluate.py --model runs/quality/final
-    python benchmarks/quality/evaluate.py --model CKPT --variants defaults,max_steps_8 \\
-        --variant 'early_commit_2={"early_commit": 2}'
+    python benchmarks/quality/evaluate.py --model CKPT --variants defaults,max_steps_8,early_commit_2 \\
+        --variant 'early_commit_4={"early_commit": 4}'
 
 A variant is a dict of Model.stream keywords: SamplingParams fields, plus `mode` and `sampling`. A new decoding
 option is one entry in VARIANTS (or one --variant flag). Every variant decodes the same examples with the same
@@ -44,6 +44,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "constant_t_0.3": {"t_min": 0.3, "t_max": 0.3},
     "reference_sampling": {"sampling": "reference"},
     "autoregressive": {"mode": "autoregressive"},
+    "early_commit_1": {"early_commit": 1},
+    "early_commit_2": {"early_commit": 2},
+    "early_commit_3": {"early_commit": 3},
+    "early_stop_0.05": {"early_stop": 0.05},
+    "early_stop_0.2": {"early_stop": 0.2},
+    "target_canvas_ms_50": {"target_canvas_ms": 50.0},
 }
 DEFAULT_VARIANTS = ("defaults", "max_steps_16", "max_steps_8", "entropy_bound_2", "autoregressive")
 

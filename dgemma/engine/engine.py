@@ -15,6 +15,7 @@ sampling is `ReferenceRunner`'s job.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -29,6 +30,7 @@ from dgemma.model import DiffusionGemma
 from dgemma.model.diffusion_gemma import PREFILL_CHUNK
 from dgemma.sampling import random_tokens
 from dgemma.sampling.fused import fast_step
+from dgemma.sampling.latency import measured
 
 __all__ = ["Engine", "EngineStats", "prefill_groups"]
 
@@ -52,6 +54,7 @@ class Engine(Runner):
         self.pad_id, self.max_batch, self.prefix_cache, self.row_clocks = pad_id, max_batch, prefix_cache, row_clocks
         self.canvas_length = model.cfg.canvas_length
         self.stats = EngineStats()
+        self.step_seconds: float | None = None  # measured wall time of a denoising step (latency targets)
 
     # ---- public API -------------------------------------------------------------------------------------
     @property
@@ -83,7 +86,9 @@ class Engine(Runner):
         if self.row_clocks or self.batch is None or self.batch.canvas is None:
             self._turnover()
         if self.batch is not None:
+            t = time.perf_counter()
             self._denoise_step(events)
+            self.step_seconds = measured(self.step_seconds, time.perf_counter() - t)
         return events
 
     # ---- between steps ----------------------------------------------------------------------------------
@@ -133,7 +138,7 @@ class Engine(Runner):
         out, signal = fast_step(hidden, model.lm_head, inv_temp, cv.entropy_bound, [r.generator for r in b.rows],
                                 cv.done, want_signal=not cv.last_step(b.rows),
                                 top_k=[r.params.soft_top_k for r in b.rows], reuse=reuse)
-        s = Step(b.rows, cv, hidden, model.lm_head, inv_temp, out, events)
+        s = Step(b.rows, cv, hidden, model.lm_head, inv_temp, out, events, self.step_seconds)
         for f in self.features:
             f.step(s)
         cv.advance(b.rows, s.out, signal)

@@ -98,7 +98,8 @@ class OutputStream:
             return [StreamEvent("draft", text, ids, canvas=self.canvases, step=self.steps, pieces=pieces,
                                 accepted=event.accepted)]
         if event.kind == "commit":
-            self.canvases, self.steps = self.canvases + 1, 0
+            if event.ends_canvas:
+                self.canvases, self.steps = self.canvases + 1, 0
             self.ids.extend(event.token_ids)
             self.logprobs.extend(event.logprobs or [])
             delta = self._push(event.token_ids)

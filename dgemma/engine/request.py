@@ -63,6 +63,9 @@ class Request:
     grammar: RowGrammar | None = None  # the request's grammar state, when its params carry a grammar
     seeded: SeedState | None = None  # its progress through a seeded layout (fixed tokens and holes)
     canvas_logprobs: list[Entry] | None = None  # this canvas's, when params.logprobs is set (sampling/logprobs.py)
+    sent: int = 0  # ids of this canvas committed early (params.early_commit), ahead of its commit
+    early: Any = None  # early commit's history of this canvas (engine/features/early_commit.py)
+    latency: Any = None  # a latency target's state: the request's own step cap (engine/features/latency.py)
     settled: Any = None  # per-position settled runs, when params.skip_settled is set (engine/features/settled.py)
 
     @property
@@ -82,7 +85,8 @@ class Request:
         return ids[:min(cut, self.budget)]
 
     def commit(self, canvas: list[int], steps: int, events: list[Event]) -> None:
-        """Append a finished canvas's visible tokens; finish on EOS ("stop") or an exhausted budget ("length")."""
+        """Append a finished canvas's visible tokens (its event carries those not `send`-ed early); finish on EOS
+        ("stop") or an exhausted budget ("length")."""
         self.stats.steps_per_canvas.append(steps)
         if self.seeded is not None:
             new, complete = self.seeded.take(canvas)
@@ -97,12 +101,21 @@ class Request:
         self.output.extend(new)
         self.stats.t_first_commit = self.stats.t_first_commit or time.perf_counter()
         logprobs, self.canvas_logprobs = self.canvas_logprobs, None
-        events.append(Event(self.id, "commit", new, logprobs=None if logprobs is None else logprobs[:len(new)]))
+        sent, self.sent = self.sent, 0  # the first `sent` ids went out already (`send`)
+        events.append(Event(self.id, "commit", new[sent:],
+                            logprobs=None if logprobs is None else logprobs[sent:len(new)]))
         if hit_eos:
             self.stats.eos_tokens += 1
             self.finish("stop", events)
         elif self.budget <= 0:
             self.finish("length", events)
+
+    def send(self, ids: list[int], logprobs: list[Entry] | None, events: list[Event]) -> None:
+        """Commit the next `ids` of the current canvas before it ends (early commit); the canvas's own commit
+        appends them to `output` with the rest and sends only the rest."""
+        self.sent += len(ids)
+        self.stats.t_first_commit = self.stats.t_first_commit or time.perf_counter()
+        events.append(Event(self.id, "commit", ids, logprobs=logprobs, ends_canvas=False))
 
     def finish(self, reason: str, events: list[Event] | None = None) -> None:
         self.finish_reason = reason
@@ -114,7 +127,8 @@ class Request:
 @dataclass
 class Event:
     """draft: the visible part of the current canvas (`accepted`: which of its positions the step kept);
-    commit: newly committed ids; finish: the request ended."""
+    commit: newly committed ids (`ends_canvas` False: an early commit, its canvas goes on); finish: the request
+    ended."""
 
     request_id: str
     kind: Literal["draft", "commit", "finish"]
@@ -122,3 +136,4 @@ class Event:
     finish_reason: str | None = None
     logprobs: list[Entry] | None = None  # commit: one entry per committed id, when the request asked
     accepted: list[bool] = field(default_factory=list)
+    ends_canvas: bool = True

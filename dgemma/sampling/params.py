@@ -19,7 +19,8 @@ MAX_SEED = 2**64 - 1
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
 MAX_SOFT_TOP_K = 1 << 20
 # SamplingParams fields the autoregressive and reference decoders cannot follow
-DIFFUSION_ONLY = ("logprobs", "soft_top_k", "skip_settled", "settled_kv_reuse")
+DIFFUSION_ONLY = ("logprobs", "soft_top_k", "skip_settled", "settled_kv_reuse", "early_commit", "early_stop",
+                  "target_canvas_ms")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,9 @@ class SamplingParams:
     seeded: Layout | None = None  # fixed tokens and holes (sampling/seeded.py); sets max_new_tokens
     logprobs: int | None = None  # report log-probabilities with this many alternatives (sampling/logprobs.py)
     cache_salt: str | None = None  # prefix-cache partition: only prefixes cached under the same salt are reused
+    early_commit: int | None = None  # commit a canvas's left prefix once stable this many steps (sampling/early.py)
+    early_stop: float | None = None  # end a canvas once its mean token entropy is below this, stable or not
+    target_canvas_ms: float | None = None  # each canvas's step budget from the engine's measured step time
     # opt-in savings that change outputs (docs/performance.md): a sparse self-conditioning soft embedding over each
     # position's k most likely tokens; positions settled for this many steps left out of the step (sampling/fused.py),
     # and with settled_kv_reuse out of the body too (their keys and values reused: approximate)
@@ -115,6 +119,7 @@ class SamplingParams:
             _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
             if self.seeded is not None:
                 _fail("logprobs with a suffix, template or edit are not supported", "logprobs")
+        self._check_speed()
         self._check_savings()
         if self.seeded is not None:
             if not isinstance(self.seeded, Layout):
@@ -122,6 +127,20 @@ class SamplingParams:
             self.seeded.check()
             if self.grammar is not None:
                 _fail("a grammar and a seeded canvas (suffix, template, edit) cannot be combined", self.seeded.param)
+
+    def _check_speed(self) -> None:
+        """early_commit: steps a position must stay unchanged; it commits text before the canvas ends, which a
+        grammar's or a layout's whole-canvas rules cannot follow. early_stop: an entropy threshold; target_canvas_ms: a
+        canvas's wall time in milliseconds."""
+        if self.early_stop is not None:
+            _positive("early_stop", self.early_stop)
+        if self.target_canvas_ms is not None:
+            _positive("target_canvas_ms", self.target_canvas_ms)
+        if self.early_commit is None:
+            return
+        _int_in("early_commit", self.early_commit, 1, MAX_DENOISING_STEPS)
+        if self.grammar is not None or self.seeded is not None:
+            _fail("early_commit cannot be combined with a grammar or a suffix, template or edit", "early_commit")
 
     def _check_savings(self) -> None:
         if self.soft_top_k is not None:

@@ -78,6 +78,14 @@ class DgemmaSampling(_Strict):
     entropy_bound: float | None = Field(None, description="entropy budget of the positions one step accepts")
     t_min: float | None = Field(None, description="temperature at the last step (instead of `temperature`)")
     t_max: float | None = Field(None, description="temperature at the first step (instead of `temperature`)")
+    early_commit: int | None = Field(None, description=(
+        "stream a canvas's left prefix once each of its positions kept its token for this many steps, before the "
+        "canvas ends (the text sent never changes); omitted: off"))
+    early_stop: float | None = Field(None, description=(
+        "end a canvas once its mean token entropy is below this, stable or not; omitted: off"))
+    target_canvas_ms: float | None = Field(None, description=(
+        "milliseconds per canvas: each canvas's step budget is what fits this at the server's measured step time "
+        "(at most max_denoising_steps); omitted: off"))
     soft_top_k: int | None = Field(None, description=(
         "opt-in saving (changes outputs): the self-conditioning signal over each position's k most likely tokens"))
     skip_settled: int | None = Field(None, description=(
@@ -121,8 +129,8 @@ class OpenAIRequest(_Strict):
         "with an empty delta and a `dgemma_draft` field that standard clients ignore: the canvas's `token_ids`, "
         "`text`, each position's own text (`tokens`) and whether the step accepted it (`accepted`)"))
     dgemma_sampling: DgemmaSampling | None = Field(None, description=(
-        "dgemma extension: denoising steps, entropy bound and the temperature schedule; omitted fields keep the "
-        "checkpoint's (GET /v1/models shows them)"))
+        "dgemma extension: denoising steps, entropy bound, the temperature schedule, early commit and early stop; "
+        "omitted fields keep the checkpoint's (GET /v1/models shows them)"))
 
     def renamed(self) -> dict[str, str]:
         """SamplingParams fields this request sets under another name (max_new_tokens: the one it sets now)."""
