@@ -36,10 +36,11 @@ class _Recorder:
         return tuple(torch.cat([old, t], dim=2) for old, t in zip(self.cache.slice(layer, lo, start), new))
 
 
-def _checkpointed(forward, layer: int, x, rope, parts, encoder, write=True):
-    """Block.forward, checkpointed when it records a graph; cache writes happen once, outside the rerun."""
-    if not torch.is_grad_enabled():
-        return forward(x, rope, parts, encoder, write)
+def _checkpointed(forward, layer: int, x, rope, parts, encoder, write=True, keep=None):
+    """Block.forward, checkpointed when it records a graph; cache writes happen once, outside the rerun. `keep`
+    (settled keys/values reused) is an inference option, so a recorded graph never has one."""
+    if not torch.is_grad_enabled() or keep is not None:
+        return forward(x, rope, parts, encoder, write, keep)
     if not write:  # the training decoder: reads the cache, writes nothing
         return checkpoint(forward, x, rope, parts, encoder, False, use_reentrant=False)
 
