@@ -1,11 +1,11 @@
-"""Python API: `dgemma.load(...)` returns a `Model` whose `generate` / `stream` take text, chat messages or ids."""
+"""Python API: `dgemma.load(...)` returns a `Model` whose `generate` / `stream` take text, chat messages (with
+tools) or ids."""
 
 from __future__ import annotations
 
 import random
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +13,9 @@ import torch
 
 from dgemma import images
 from dgemma.cache import KVCache
+from dgemma.chat.tools import ToolUse
 from dgemma.dtypes import native_bf16, parse_dtype
-from dgemma.engine import (AutoregressiveEngine, Engine, OutputStream, PrefixCache, ReferenceRunner, Request,
+from dgemma.engine import (AutoregressiveEngine, Engine, OutputStream, PrefixCache, ReferenceRunner, Result,
                            StreamEvent)
 from dgemma.errors import DgemmaError
 from dgemma.jsonfile import read_json
@@ -22,6 +23,7 @@ from dgemma.options import MODES, SAMPLINGS
 from dgemma.quant import QuantizedWeight, a8, int4cpu, kernel_summary, parse_quantize
 from dgemma.quant import summary as quant_summary
 from dgemma.sampling import Limits, SamplingParams, SamplingParamsError
+from dgemma.sampling.params import check_length
 from dgemma.sampling.constraints import GrammarVocab, shared_vocab
 from dgemma.sampling.fused import vocab_chunk
 from dgemma.sampling.seeded import Layout, edit_parts, parse_template, renoised_positions
@@ -32,20 +34,6 @@ DEMO_MODEL = Path(__file__).parent / "assets" / "demo"
 
 Prompt = str | list[int] | list[dict[str, Any]]
 CHAR_MARGIN = 2  # a token can cover more characters than its own text after normalisation (NFKC): stay safe
-
-
-@dataclass
-class Result:
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str
-    stats: dict[str, Any] = field(default_factory=dict)
-    prompt_tokens: int = 0
-    logprobs: list | None = None  # with logprobs=k: (id, logprob, [(id, logprob)] * k) per token (sampling/logprobs.py)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason,
-                "prompt_tokens": self.prompt_tokens, "stats": self.stats, "logprobs": self.logprobs}
 
 
 def load(path_or_repo: str | Path | None = None, dtype: str | torch.dtype = "auto",
@@ -137,21 +125,25 @@ class Model:
 
     # ---- inputs -----------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, max_tokens: int | None = None,
-                      tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Text, chat messages (with `tools` for a template that declares them) or ids -> checked ids. With
-        `max_tokens`, a prompt that cannot fit in that many tokens (more characters than that many of the
-        longest token hold, x CHAR_MARGIN) is refused before any tokenizing or templating, so its cost is bounded
-        by the limit, not by its length."""
+                      tools: ToolUse | list[dict[str, Any]] | None = None) -> list[int]:
+        """Text, chat messages (rendered with `tools`: OpenAI tool objects or a chat.tools.ToolUse) or ids -> ids.
+        With `max_tokens`, a prompt that cannot fit in that many tokens (more characters than that many of the
+        longest token hold, x CHAR_MARGIN) is refused before any tokenizing, so its cost is bounded by the limit,
+        not by its length."""
         if isinstance(prompt, (str, list)) and not prompt:
-            raise SamplingParamsError("empty prompt", "prompt")
+            self.check_ids([])  # refused there: an empty text would still tokenize to a BOS
+        chat = _is_chat(prompt)
+        if chat:
+            tools = tools if isinstance(tools, ToolUse) else ToolUse.of(tools, None, None, None, False, self.tokenizer)
+            prompt = tools.messages(list(prompt))
         if max_tokens is not None:
             self._check_length(prompt, max_tokens)
         if isinstance(prompt, str):
             ids = self._require_tokenizer().encode(prompt)
         elif images.has_parts(prompt):  # checks its text ids itself: image soft tokens lie past the vocabulary
-            return images.prompt_ids(self, list(prompt), tools, self.image_limits)
-        elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self._require_tokenizer().encode_chat(list(prompt), tools)
+            return images.prompt_ids(self, prompt, tools.declared, self.image_limits)
+        elif chat:
+            ids = self._require_tokenizer().encode_chat(prompt, tools.declared)
         elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
         else:
@@ -162,16 +154,14 @@ class Model:
         """The most tokens a prompt may have: the context less one new token, and the deployment's cap."""
         return min(self.max_context - 1, limits.max_prompt_tokens or self.max_context)
 
-    def _check_length(self, prompt: Prompt, max_tokens: int) -> None:
-        message = f"the prompt has {{}} {{}}; at most {max_tokens} tokens are allowed"
+    def _check_length(self, prompt: Prompt, max_tokens: int | None = None, param: str = "prompt") -> None:
+        """A prompt, or a seeded canvas's text (suffix, template, draft), that cannot fit in `max_tokens` (default:
+        the context) is refused untokenized."""
+        max_tokens = max_tokens or self.max_context
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            size, unit, cap = len(prompt), "tokens", max_tokens
-        else:
-            per_token = self.tokenizer.max_token_chars if self.tokenizer is not None else 1
-            size, unit, cap = _chars(prompt), "characters", max_tokens * per_token * CHAR_MARGIN
-            message += f", which no text over {cap} characters fits in"
-        if size > cap:
-            raise SamplingParamsError(message.format(size, unit), "prompt")
+            return check_length(param, len(prompt), max_tokens)
+        per_token = self.tokenizer.max_token_chars if self.tokenizer is not None else 1
+        check_length(param, _chars(prompt), max_tokens, "characters", max_tokens * per_token * CHAR_MARGIN)
 
     def check_ids(self, ids: list[int]) -> list[int]:
         vocab = self.module.cfg.text.vocab_size
@@ -214,10 +204,11 @@ class Model:
         if len(given) != 1 or (renoise is None) != (edit is None):
             raise SamplingParamsError("give one of suffix, template, or edit with renoise", (given or ["edit"])[-1])
         if suffix is not None:
-            hole = options.get("max_new_tokens") or self.defaults.max_new_tokens
+            hole = options.get("max_new_tokens")
+            hole = self.defaults.max_new_tokens if hole is None else hole
             return Layout.from_parts([hole, self._text_ids(suffix, "suffix")], echo=False, param="suffix")
         if template is not None:
-            self._check_text_fits(template, "template", limit)
+            self._check_length(template, limit, "template")
             parts = parse_template(template, limit)
             return Layout.from_parts([p if isinstance(p, int) else self._text_ids(p, "template") for p in parts],
                                      limit=limit)
@@ -239,44 +230,28 @@ class Model:
     def _text_ids(self, text: str, param: str) -> list[int]:
         if not isinstance(text, str) or not text:
             raise SamplingParamsError(f"{param} must be a non-empty string", param)
-        self._check_text_fits(text, param)
+        self._check_length(text, None, param)
         return self._require_tokenizer().encode(text, add_bos=False)
 
     def _text_offsets(self, text: str, limit: int) -> tuple[list[int], list[tuple[int, int]]]:
-        self._check_text_fits(text, "edit", limit)
+        self._check_length(text, limit, "edit")
         enc = self._require_tokenizer().tok.encode_batch([text], add_special_tokens=False)[0]  # GIL released
         return enc.ids, enc.offsets
-
-    def _check_text_fits(self, text: str, param: str, limit: int | None = None) -> None:
-        """A seeded canvas's text (suffix, template, draft) that cannot fit in `limit` tokens (default: the
-        context): refused untokenized."""
-        try:
-            self._check_length(text, limit or self.max_context)
-        except SamplingParamsError as e:
-            raise SamplingParamsError(str(e).replace("the prompt", f"the {param}"), param) from None
 
     def check_request(self, ids: list[int], params: SamplingParams, limits: Limits = Limits(),
                       mode: str = "diffusion", sampling: str = "fast") -> None:
         """Everything about a request that needs the model: the one validation path (SamplingParams)."""
-        seeded, grammar = params.seeded, params.grammar
-        if (seeded is not None and (mode, sampling) != ("diffusion", "fast")) or (grammar and sampling != "fast"):
-            raise SamplingParamsError("constrained and seeded output need the fast sampler (seeded: in diffusion "
-                                      "mode)", (seeded or grammar).param)
-        if params.logprobs is not None and (mode, sampling) != ("diffusion", "fast"):
-            raise SamplingParamsError("logprobs need fast diffusion decoding", "logprobs")
-        if seeded is not None and not params.eos_token_ids:
-            raise SamplingParamsError("a suffix, template or edit needs an end-of-sequence token", seeded.param)
+        eos = params.eos_token_ids or ()
+        params.check_decoding(mode, sampling, eos, self.tokenizer is not None)
         params.validate(self.module.cfg.text.vocab_size, self.max_context, len(ids), limits, self.cache_bytes)
         if params.stop and self.tokenizer is None:
             raise SamplingParamsError("stop strings need a tokenizer; this checkpoint has none", "stop")
         if params.grammar is not None:  # a matcher for this grammar: it must be able to match something
-            self.grammar_vocab(params.grammar.param).matcher(params.grammar, params.eos_token_ids or ())
+            self.grammar_vocab().matcher(params.grammar, eos)
 
-    def grammar_vocab(self, param: str = "grammar") -> GrammarVocab:
+    def grammar_vocab(self) -> GrammarVocab:
         """The vocabulary as the grammar engine sees it (built on first use)."""
-        if self.tokenizer is None:
-            raise SamplingParamsError("constrained output needs a tokenizer; this checkpoint has none", param)
-        return shared_vocab(self, self.tokenizer.tok.to_str(), self.module.cfg.text.vocab_size,
+        return shared_vocab(self, self._require_tokenizer().tok.to_str(), self.module.cfg.text.vocab_size,
                             self.defaults.eos_token_ids or ())
 
     # ---- generation -------------------------------------------------------------------------------------
@@ -284,7 +259,9 @@ class Model:
                  **options: Any) -> Result | list[Result]:
         """Generate for one prompt (returns a Result) or a list of prompts decoded as one batch. `mode`:
         diffusion or autoregressive; `sampling` (diffusion): fast, or reference (transformers draw for draw);
-        `options`: SamplingParams fields."""
+        `options`: SamplingParams fields, and for chat messages OpenAI's `tools`, `tool_choice` ("none", "auto" (the
+        default with tools), "required", {"type": "function", "function": {"name": ...}}) and `parallel_tool_calls`
+        (a reply of calls has Result.tool_calls; the chat template picks the call syntax)."""
         batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
         prompts = prompt if batch else [prompt]
         results = {i: ev.result for i, ev in self._run(prompts, mode, sampling, options, False) if ev.kind == "done"}
@@ -293,7 +270,8 @@ class Model:
 
     def stream(self, prompt: Prompt, drafts: bool = True, mode: str = "diffusion", sampling: str = "fast",
                **options: Any) -> Iterator[StreamEvent]:
-        """Yield drafts of the current canvas, committed text deltas, then a "done" event with the Result."""
+        """Yield drafts of the current canvas, committed text deltas, then a "done" event with the Result. With
+        tools that may be called, the text is held back to the end (calls are read from the whole reply)."""
         yield from (event for _, event in self._run([prompt], mode, sampling, options, drafts))
 
     def runner(self, mode: str = "diffusion", sampling: str = "fast", max_batch: int = 16,
@@ -317,28 +295,28 @@ class Model:
 
     def _run(self, prompts: list[Prompt], mode: str, sampling: str, options: dict[str, Any],
              drafts: bool) -> Iterator[tuple[int, StreamEvent]]:
-        params = self.params(**options)
-        ids = [self.encode_prompt(p) for p in prompts]
+        chat = [options.pop(k, None) for k in ("tools", "tool_choice", "parallel_tool_calls")]
+        tools = ToolUse.of(*chat, options.get("grammar"), options.get("logprobs") is not None, self.tokenizer,
+                           "grammar")
+        if tools.mode != "none" and not all(_is_chat(p) for p in prompts):
+            raise SamplingParamsError("tools need a prompt of chat messages", "tools")
+        params = self.params(**(options | ({"grammar": tools.grammar()} if tools.mode != "none" else {})))
+        ids = [self.encode_prompt(p, tools=tools) for p in prompts]
         for x in ids:
             self.check_request(x, params, mode=mode, sampling=sampling)
         runner = self.runner(mode, sampling, max(1, len(ids)))
         reqs = {}
         for i, x in enumerate(ids):
             req = runner.add_request(x, params, drafts=drafts)
-            reqs[req.id] = (i, req, OutputStream(self.tokenizer, params.stop))
+            reqs[req.id] = (i, req, OutputStream(self.tokenizer, params.stop, tools))
         for ev in runner.stream():
             i, req, out = reqs[ev.request_id]
             for item in out.feed(ev):
                 if item.kind == "done":
                     runner.abort(req.id)  # a stop string ends the request before the engine knows
-                    item.result = self._result(req, out)
+                    req.stats.t_end = req.stats.t_end or time.perf_counter()
+                    item.result = out.result(len(req.prompt), params.logprobs is not None, req.stats)
                 yield i, item
-
-    def _result(self, req: Request, out: OutputStream) -> Result:
-        req.stats.t_end = req.stats.t_end or time.perf_counter()
-        ids = out.kept_ids()
-        logprobs = out.logprobs[:len(ids)] if req.params.logprobs is not None else None
-        return Result(ids, out.text, out.finish_reason, req.stats.to_dict(len(ids)), len(req.prompt), logprobs)
 
     # ---- description ------------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -355,6 +333,10 @@ class Model:
             "sliding_window": t.sliding_window, "max_context": t.max_position_embeddings,
             "tokenizer": self.tokenizer is not None, "eos_token_ids": list(self.defaults.eos_token_ids or ()),
         }
+
+
+def _is_chat(prompt: Any) -> bool:
+    return isinstance(prompt, Sequence) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
 
 
 def _chars(value: Any) -> int:

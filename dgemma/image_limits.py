@@ -27,7 +27,7 @@ class ImageLimits:
             raise ConfigError("image limits must be positive")
 
 
-def add_image_options(p: argparse.ArgumentParser) -> None:
+def add_image_options(p: argparse.ArgumentParser, fetch: bool = False) -> None:
     d = ImageLimits()
     p.add_argument("--image-tokens", type=int, choices=SOFT_TOKEN_BUDGETS, default=d.max_soft_tokens,
                    help=f"soft tokens per image at most (the image is resized to fit; default {d.max_soft_tokens})")
@@ -37,6 +37,9 @@ def add_image_options(p: argparse.ArgumentParser) -> None:
                    help=f"encoded bytes per image at most (default {d.max_bytes}, {d.max_bytes >> 20} MiB)")
     p.add_argument("--max-image-pixels", type=int, default=d.max_pixels,
                    help=f"decoded width x height per image at most (default {d.max_pixels})")
+    if fetch:
+        p.add_argument("--fetch-image-urls", action="store_true", help="fetch http(s) image_url parts (default: "
+                       "refused with 400; data: URLs are always accepted). The server then makes requests for clients")
 
 
 def limits_from_args(args: argparse.Namespace, fetch_urls: bool = False) -> ImageLimits:

@@ -10,6 +10,7 @@ from dgemma.dtypes import NAMES
 
 MODES = ("diffusion", "autoregressive")
 SAMPLINGS = ("fast", "reference")
+MODE_HELP = "decode by block diffusion or autoregressively with the encoder"
 
 
 def add_model_options(p: argparse.ArgumentParser, dtype_help: str | None = None) -> None:
@@ -33,4 +34,4 @@ def add_quantize_option(p: argparse.ArgumentParser) -> None:
 
 def add_mode_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=MODES, default=MODES[0],
-                   help="decode by block diffusion (default) or autoregressively with the encoder")
+                   help=f"{MODE_HELP} (default {MODES[0]})")

@@ -12,6 +12,8 @@ from dgemma.cli import main
     (["--mode", "autoregressive", "--t-max", "1.5"], "--t-max"),
     (["--mode", "autoregressive", "--steps", "4"], "--steps"),
     (["--mode", "autoregressive", "--sampling", "reference"], "--sampling reference"),
+    (["--mode", "autoregressive", "--soft-top-k", "8"], "--soft-top-k"),
+    (["--mode", "autoregressive", "--skip-settled", "2"], "--skip-settled"),
     (["--ar-temperature", "1.0"], "--ar-temperature"),
 ])
 def test_options_of_the_other_mode_are_refused(capsys, argv, flag):

@@ -70,9 +70,9 @@ def test_an_answer_that_cannot_fit_ends_with_length(demo):
 
 @pytest.mark.parametrize("parallel", [False, True])
 def test_a_tool_call_with_a_free_string_ends_valid(demo, parallel):
-    """The text-format tool-call grammar the server builds (dgemma/server/tools.py), max_tokens = 2x the minimal
+    """The text-format tool-call grammar the server builds (dgemma/chat/tools.py), max_tokens = 2x the minimal
     call's tokens: one whole call whose arguments validate."""
-    from dgemma.server.tools import ToolUse
+    from dgemma.chat.tools import ToolUse
 
     params = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
               "required": ["city"], "additionalProperties": False}

@@ -98,3 +98,20 @@ def test_bf16_matches_reference_within_its_own_error(name, tmp_path):
     assert decisive.float().mean() > 0.3
     agree = (got.argmax(-1) == e16.argmax(-1))[decisive].float().mean()
     assert agree >= 0.99
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_head_softcap_in_place_and_under_autograd(grad):
+    """The head's softcap runs in place at inference and out of place under autograd (tanh's backward needs its
+    output): the same logits either way as softcap * tanh(h . E / softcap), and gradients reach the hidden states."""
+    from dgemma.model.head import Head
+
+    embed = torch.nn.Embedding(50, 8)
+    hidden = torch.randn(3, 8, requires_grad=grad)
+    want = 30.0 * torch.tanh((hidden @ embed.weight.T) / 30.0)
+    with torch.set_grad_enabled(grad):
+        got = Head(embed, 30.0, 1.0).logits(hidden)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if grad:
+        got.sum().backward()
+        assert hidden.grad is not None and hidden.grad.abs().sum() > 0

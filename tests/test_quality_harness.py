@@ -127,6 +127,9 @@ def test_evaluation_on_the_bundled_model(model):
     assert ar["tokens"] <= ar["decoder_passes"] <= ar["tokens"] + 2
     assert report["vs_defaults"]["defaults"]["flops_per_token_ratio"] == 1.0
     assert report["vs_defaults"]["one_step"]["accuracy_points"] == 0.0
+    same = sum(a == b for a, b in zip(report["outputs"]["one_step"], report["outputs"]["defaults"]))
+    assert report["vs_defaults"]["one_step"]["same_answer_percent"] == 50 * same
+    assert report["vs_defaults"]["defaults"]["same_answer_percent"] == 100
 
 
 def test_held_out_likelihood_of_the_bundled_model_beats_a_uniform_guess():

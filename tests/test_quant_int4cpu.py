@@ -24,6 +24,20 @@ def test_layout_keeps_the_exact_weights():
     assert torch.equal(c.dequantize(torch.tensor([3, 1])), w.dequantize(torch.tensor([3, 1])))
     back = c.to_int()
     assert torch.equal(back.qweight, w.qweight) and torch.equal(back.scales, w.scales)
+    assert back.scales.is_contiguous()  # what a checkpoint writer saves (the stack keeps them transposed)
+
+
+def test_scale_tables_are_the_kernels_scale_and_zero_layout():
+    """bf16 (scale, 0) pairs [K // g, N, 2], written as int32 bit patterns: the same table as the straightforward
+    construction, for negative, zero, tiny and large float16 scales, from fresh or reused buffers."""
+    s = torch.randn(3, 40, 6, generator=torch.Generator().manual_seed(3)).half()
+    s[0, 0, 0], s[1, 2, 3], s[2, 5, 1], s[2, 7, 2] = 0, -65504, 6e-8, 1e-3
+    for reuse in (False, True, True):
+        tables = int4cpu.scale_tables([x.T for x in s], reuse=reuse)
+        for e in range(3):
+            ref = torch.zeros(6, 40, 2, dtype=torch.bfloat16)
+            ref[..., 0] = s[e].T.float()
+            assert torch.equal(tables[e].view(torch.int16), ref.view(torch.int16))
 
 
 def test_order_probe_matches_torch_packing():
@@ -33,11 +47,15 @@ def test_order_probe_matches_torch_packing():
     assert torch.equal(nibbles, codes.reshape(-1)[int4cpu._order(64, 96)])
 
 
-def test_expert_products_follow_the_dequantized_weights():
+@pytest.mark.parametrize("ends", [[4, 4, 11, 20, 23], [1, 2, 2, 3, 4], [0, 0, 1, 1, 1], [90, 200, 200, 301, 320]])
+def test_expert_products_follow_the_dequantized_weights(ends, monkeypatch):
+    """Experts without rows, one row each (autoregressive decoding: M = 1), a few, and many; scale tables built
+    two experts at a time (so batches of tables and their reused buffers are crossed)."""
+    monkeypatch.setattr(int4cpu, "TABLES_AT_ONCE", 2)
     w = _stack()
     c = CPUInt4Weight.from_int(w)
-    x = torch.randn(23, 128, generator=torch.Generator().manual_seed(2))
-    ends = torch.tensor([4, 4, 11, 20, 23])  # expert 1 owns no rows
+    ends = torch.tensor(ends)
+    x = torch.randn(int(ends[-1]), 128, generator=torch.Generator().manual_seed(2))
     dense = w.dequantize()
     bounds = [0, *ends.tolist()]
     ref = torch.cat([x[bounds[e]:bounds[e + 1]] @ dense[e].T for e in range(5)])

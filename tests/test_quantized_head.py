@@ -64,6 +64,19 @@ def test_python_api(checkpoint, kind):
     jsonschema_rs.validate(SCHEMA, json.loads(auto.text))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_python_api_tools(checkpoint, kind):
+    """Tool calls through `Model.generate(messages, tools=...)`: the calls validate under the tool's schema."""
+    model = _load(checkpoint, kind)
+    tool = {"type": "function", "function": {"name": "pick", "description": "pick", "parameters": SCHEMA}}
+    r = model.generate([{"role": "user", "content": "call"}], tools=[tool], tool_choice="required",
+                       max_new_tokens=64, seed=4)
+    assert r.finish_reason == "tool_calls" and r.tool_calls
+    for call in r.tool_calls:
+        assert call["function"]["name"] == "pick"
+        jsonschema_rs.validate(SCHEMA, json.loads(call["function"]["arguments"]))
+
+
 def test_head_is_the_quantized_weights_matmul(checkpoint):
     """The head's logits are softcap * tanh(h @ W.T / softcap) with W the dequantized embedding (computed here
     from the float rows the quantized weight decodes, in float32)."""

@@ -78,7 +78,7 @@ def _template_call(tokenizer, name, arguments):
 ])
 def test_template_calls_are_sentences_of_the_grammar(tokenizer, name, arguments):
     from dgemma.sampling.constraints import GrammarVocab
-    from dgemma.server.gemma_tools import GemmaSyntax
+    from dgemma.chat.gemma import GemmaSyntax
 
     syntax = GemmaSyntax.of(tokenizer)
     ids = _template_call(tokenizer, name, arguments)
@@ -97,7 +97,7 @@ def test_template_calls_are_sentences_of_the_grammar(tokenizer, name, arguments)
 
 def test_json_arguments_are_not_the_native_syntax(tokenizer):
     from dgemma.sampling.constraints import GrammarVocab
-    from dgemma.server.gemma_tools import GemmaSyntax
+    from dgemma.chat.gemma import GemmaSyntax
 
     ids = _template_call(tokenizer, "get_weather", json.dumps({"city": "Paris", "unit": "c"}))
     tools = [{"name": "get_weather", "description": "", "parameters": WEATHER}]
@@ -110,7 +110,7 @@ def test_random_schemas_in_the_native_syntax_always_validate(checkpoint, tokeniz
     """Calls generated on the random-weight model under the native grammar parse back and validate, whatever the
     model does (random schemas: nested objects, arrays, enums, ranges, patterns, optional properties)."""
     from dgemma.bench.schemas import random_schemas
-    from dgemma.server.gemma_tools import GemmaSyntax
+    from dgemma.chat.gemma import GemmaSyntax
 
     model, syntax = load_with_eos(checkpoint), GemmaSyntax.of(tokenizer)
     schemas = random_schemas(16, seed=3)
@@ -196,3 +196,22 @@ def test_schemas_outside_the_syntax_are_400s_naming_tools(served, parameters, wo
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=CHAT, tools=tools, max_tokens=8)
     assert e.value.body["param"] == "tools" and words in e.value.body["message"], e.value.body
+
+
+def test_python_api_native_calls(checkpoint, tokenizer):
+    """`Model.generate(messages, tools=...)` on the same checkpoint: the Result's call is the one its ids hold, as
+    the chat template writes that call back (text with the control tokens), and it validates."""
+    model = load_with_eos(checkpoint)
+    r = model.generate(CHAT, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_new_tokens=200,
+                       seed=3)
+    assert r.finish_reason == "tool_calls" and r.text is None and len(r.tool_calls) == 1
+    call = r.tool_calls[0]
+    assert call["id"].startswith("call_") and call["type"] == "function"
+    arguments = json.loads(call["function"]["arguments"])
+    jsonschema_rs.validate(SCHEMAS[call["function"]["name"]], arguments)
+    written = _template_call(tokenizer, call["function"]["name"], arguments)
+    assert tokenizer.tok.decode(r.token_ids, skip_special_tokens=False) == \
+        tokenizer.tok.decode(written, skip_special_tokens=False)
+    text = model.generate(CHAT, tools=TOOLS, tool_choice="none", max_new_tokens=8, seed=3)
+    assert text.tool_calls is None and text.prompt_tokens == len(
+        tokenizer.encode(tokenizer.apply_chat_template(CHAT, tools=TOOLS), add_bos=False))

@@ -103,7 +103,7 @@ def test_auto_is_a_call_or_plain_text(openai_client):
 
 
 def test_a_reply_cut_by_max_tokens_keeps_its_complete_calls():
-    from dgemma.server.tools import ToolUse
+    from dgemma.chat.tools import ToolUse
 
     use = ToolUse.of(TOOLS, "required", None, None, False)
     text = '{"name":"get_time","arguments":{"zone":3}}\n{"name":"get_weather","arguments":{"ci'

@@ -84,6 +84,9 @@ BAD = [
     ("drafts without stream", C, {"prompt": "hi", "dgemma_drafts": True}, 400, "dgemma_drafts"),
     ("unknown dgemma_sampling field", C, {"prompt": "hi", "dgemma_sampling": {"early_comit": 2}}, 400,
      "dgemma_sampling.early_comit"),
+    ("soft_top_k zero", C, {"prompt": "hi", "dgemma_sampling": {"soft_top_k": 0}}, 400, "dgemma_sampling.soft_top_k"),
+    ("skip_settled float", C, {"prompt": "hi", "dgemma_sampling": {"skip_settled": 1.5}}, 400,
+     "dgemma_sampling.skip_settled"),
     ("messages missing", X, {"model": "tiny"}, 400, "messages"),
     ("messages null", X, {"messages": None}, 400, "messages"),
     ("messages a string", X, {"messages": "hello"}, 400, "messages"),
@@ -312,3 +315,11 @@ def test_cors_is_off_by_default_and_exact_when_configured(server, checkpoint):
         assert httpx.get(s.url + "/health", headers={"host": "myhost.internal"}).status_code == 200
     finally:
         s.stop()
+
+
+def test_the_opt_in_savings_pass_through_dgemma_sampling(server):
+    body = {"prompt": "hi", "max_tokens": 4, "seed": 0, "dgemma_sampling": {"soft_top_k": 4, "skip_settled": 1,
+                                                                 "settled_kv_reuse": True}}
+    r = httpx.post(server.url + C, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1

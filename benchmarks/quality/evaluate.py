@@ -5,8 +5,8 @@ token (the first "text" event of Model.stream) and tokens/s; plus the held-out l
 training objective (dgemma.train.objective). Last stdout line JSON.
 
     python benchmarks/quality/evaluate.py --model runs/quality/final
-    python benchmarks/quality/evaluate.py --model CKPT --variants defaults,max_steps_8 \\
-        --variant 'early_commit_2={"early_commit": 2}'
+    python benchmarks/quality/evaluate.py --model CKPT --variants defaults,max_steps_8,early_commit_2 \\
+        --variant 'early_commit_4={"early_commit": 4}'
 
 A variant is a dict of Model.stream keywords: SamplingParams fields, plus `mode` and `sampling`. A new decoding
 option is one entry in VARIANTS (or one --variant flag). Every variant decodes the same examples with the same
@@ -28,7 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tasks  # noqa: E402
-from dgemma.bench.flops import autoregressive_flops, cpu_name, diffusion_flops, load_average  # noqa: E402
+from dgemma.bench.flops import (autoregressive_flops, cpu_name, diffusion_flops, load_average,  # noqa: E402
+                                saved_flops)
 from dgemma.errors import DgemmaError  # noqa: E402
 from dgemma.options import MODES, SAMPLINGS  # noqa: E402
 
@@ -43,6 +44,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "constant_t_0.3": {"t_min": 0.3, "t_max": 0.3},
     "reference_sampling": {"sampling": "reference"},
     "autoregressive": {"mode": "autoregressive"},
+    "early_commit_1": {"early_commit": 1},
+    "early_commit_2": {"early_commit": 2},
+    "early_commit_3": {"early_commit": 3},
+    "early_stop_0.05": {"early_stop": 0.05},
+    "early_stop_0.2": {"early_stop": 0.2},
+    "target_canvas_ms_50": {"target_canvas_ms": 50.0},
 }
 DEFAULT_VARIANTS = ("defaults", "max_steps_16", "max_steps_8", "entropy_bound_2", "autoregressive")
 
@@ -64,14 +71,17 @@ def decode(model, example: tasks.Example, variant: dict[str, Any], seed: int) ->
     return {"correct": tasks.is_correct(example, result.text or ""), "output": result.text,
             "tokens": len(result.token_ids), "passes": result.stats["decoder_passes"],
             "steps_per_canvas": result.stats["steps_per_canvas"],
-            "flops": flops(model.module.cfg, result, autoregressive), "ttft": ttft, "seconds": seconds}
+            "flops": flops(model.module.cfg, result, autoregressive, variant.get("soft_top_k")), "ttft": ttft,
+            "seconds": seconds}
 
 
-def flops(cfg, result, autoregressive: bool) -> float:
-    """Matmul FLOPs of this request under the one FLOP model (prefill, each decoder pass, commits)."""
+def flops(cfg, result, autoregressive: bool, soft_top_k: int | None = None) -> float:
+    """Matmul FLOPs of this request under the one FLOP model (prefill, each decoder pass, commits), less what its
+    opt-in savings spared (settled positions, a sparse soft embedding)."""
     if autoregressive:  # one pass per generated token, the final EOS included
         return autoregressive_flops(cfg, result.prompt_tokens, result.stats["decoder_passes"])["total"]
-    return diffusion_flops(cfg, result.prompt_tokens, result.stats["steps_per_canvas"])["total"]
+    full = diffusion_flops(cfg, result.prompt_tokens, result.stats["steps_per_canvas"])["total"]
+    return full - saved_flops(cfg, result.stats, soft_top_k, result.prompt_tokens)
 
 
 # ---- aggregation --------------------------------------------------------------------------------------------------
@@ -127,9 +137,12 @@ def evaluate(model, examples: list[tasks.Example], variants: dict[str, dict[str,
         if log and (i + 1) % 20 == 0:
             log(f"{i + 1}/{len(examples)} examples")
     results = {name: {"options": variants[name], **per_task(examples, r)} for name, r in rows.items()}
-    return {"variants": results, "vs_defaults": versus_defaults(results),  # per example, in order: paired
-            "outputs": {name: [r["output"] for r in rs] for name, rs in rows.items()},
-            "correct": {name: [r["correct"] for r in rs] for name, rs in rows.items()}}
+    outputs = {name: [r["output"] for r in rs] for name, rs in rows.items()}
+    vs = versus_defaults(results)
+    for name, out in outputs.items():  # answers unchanged bound the accuracy change: |points| <= 100 - this
+        vs[name]["same_answer_percent"] = 100 * sum(a == b for a, b in zip(out, outputs["defaults"])) / len(out)
+    return {"variants": results, "vs_defaults": vs,  # per example, in order: paired
+            "outputs": outputs, "correct": {name: [r["correct"] for r in rs] for name, rs in rows.items()}}
 
 
 @torch.no_grad()

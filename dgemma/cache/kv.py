@@ -133,6 +133,10 @@ class KVCache:
         start..start+n; returns the tensors of the slots the pass attends to."""
         return self.stores[layer].view(lo, start, new)
 
+    def read(self, layer: int, start: int, n: int) -> Fields:
+        """A layer's stored tensors of slots start..start+n (held ones: the canvas's scratch)."""
+        return self.stores[layer].read(start, n)
+
     def slice(self, layer: int, lo: int, hi: int) -> Fields:
         """Slots lo..hi of a layer kept whole (training: the cache stays in the graph, nothing wraps)."""
         return self.stores[layer].slice(lo, hi)

@@ -62,6 +62,10 @@ class LinearStore:
     def slice(self, lo: int, hi: int) -> Fields:
         return tuple(t[:, :, lo:hi] for t in self.data)
 
+    def read(self, start: int, n: int) -> Fields:
+        """Slots start..start+n as last written (a canvas's scratch keys, reused for its settled positions)."""
+        return self.slice(start, start + n)
+
     def ordered(self, length: int, row: int) -> tuple[int, Fields]:
         """(first slot, tensors) of one row's slots still held below `length`, in slot order."""
         return 0, tuple(t[row:row + 1, :, :length] for t in self.data)
@@ -91,6 +95,10 @@ class RingStore(LinearStore):
         super().put(p, tuple(x[:, :, :first] for x in new), rows)
         if first < n:
             super().put(0, tuple(x[:, :, first:] for x in new), rows)
+
+    def read(self, start: int, n: int) -> Fields:
+        index = (torch.arange(start, start + n, device=self.data[0].device)) % self.ring
+        return tuple(t[:, :, index] for t in self.data)
 
     def _slots(self, hi: int, device) -> Tensor:
         """Slot held at each index of a full ring whose newest slot is hi - 1."""

@@ -4,9 +4,9 @@ decoding of the same weights, and the one adaptor from engine events to text."""
 from dgemma.cache import PrefixCache
 from dgemma.engine.autoregressive import AutoregressiveEngine
 from dgemma.engine.engine import Engine
-from dgemma.engine.output import OutputStream, StreamEvent
+from dgemma.engine.output import OutputStream, Result, StreamEvent
 from dgemma.engine.reference import ReferenceRunner
 from dgemma.engine.request import Event, Request, Stats
 
 __all__ = ["AutoregressiveEngine", "Engine", "Event", "OutputStream", "PrefixCache", "ReferenceRunner", "Request",
-           "Stats", "StreamEvent"]
+           "Result", "Stats", "StreamEvent"]

@@ -17,7 +17,7 @@ from dgemma.sampling import sample_next
 
 
 class AutoregressiveEngine(Runner):
-    constrains = True
+    mode = "autoregressive"
 
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...]):
         super().__init__(model, eos_ids)

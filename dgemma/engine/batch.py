@@ -12,7 +12,8 @@ from torch import Tensor
 from dgemma.cache import KVCache
 from dgemma.engine.request import Event, Request
 from dgemma.model import DiffusionGemma
-from dgemma.sampling import StableConfidentStopper, StepOutput, finalize_canvas, freeze_rows, temperature_schedule
+from dgemma.sampling import (SamplingParams, StableConfidentStopper, StepOutput, finalize_canvas, freeze_rows,
+                             temperature_schedule)
 
 
 def prefill(model: DiffusionGemma, rows: list[Request], pad_id: int, room: int,
@@ -99,6 +100,13 @@ class Canvas:
         self.stepped = [not f for f in self.done]
         self.step += 1
         self.done = self.done_mask.tolist()  # the step's one host read
+
+    def reschedule(self, i: int, params: SamplingParams) -> None:
+        """Row i's temperature schedule becomes `params`' (a new step budget); the steps it took keep their place."""
+        t = temperature_schedule(params.max_denoising_steps, params.t_min, params.t_max, device="cpu")
+        width = max(self.temperatures.shape[1], len(t))
+        self.temperatures = _widen(self.temperatures, width)
+        self.temperatures[i] = _widen(t[None], width)[0].to(self.temperatures.device)
 
     def mark_done(self, rows: list[int]) -> None:
         """These rows are done (e.g. their grammar prefix is complete, or they are out of steps)."""

@@ -15,13 +15,14 @@ sampling is `ReferenceRunner`'s job.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 
 import torch
 
 from dgemma.cache import PrefixCache
 from dgemma.engine.batch import Canvas
-from dgemma.engine.features import FEATURES, Feature, Step
+from dgemma.engine.features import FEATURES, Feature, Step, settled
 from dgemma.engine.request import Event, Request
 from dgemma.engine.runner import Runner
 from dgemma.engine.scheduler import Batch, Scheduler, prefill_groups
@@ -29,6 +30,7 @@ from dgemma.model import DiffusionGemma
 from dgemma.model.diffusion_gemma import PREFILL_CHUNK
 from dgemma.sampling import random_tokens
 from dgemma.sampling.fused import fast_step
+from dgemma.sampling.latency import measured
 
 __all__ = ["Engine", "EngineStats", "prefill_groups"]
 
@@ -44,8 +46,6 @@ class EngineStats:
 
 
 class Engine(Runner):
-    constrains = seeds = True
-
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], pad_id: int = 0, max_batch: int = 16,
                  prefix_cache: PrefixCache | None = None, features: tuple[Feature, ...] = FEATURES,
                  row_clocks: bool = True):
@@ -54,6 +54,7 @@ class Engine(Runner):
         self.pad_id, self.max_batch, self.prefix_cache, self.row_clocks = pad_id, max_batch, prefix_cache, row_clocks
         self.canvas_length = model.cfg.canvas_length
         self.stats = EngineStats()
+        self.step_seconds: float | None = None  # measured wall time of a denoising step (latency targets)
 
     # ---- public API -------------------------------------------------------------------------------------
     @property
@@ -85,7 +86,9 @@ class Engine(Runner):
         if self.row_clocks or self.batch is None or self.batch.canvas is None:
             self._turnover()
         if self.batch is not None:
+            t = time.perf_counter()
             self._denoise_step(events)
+            self.step_seconds = measured(self.step_seconds, time.perf_counter() - t)
         return events
 
     # ---- between steps ----------------------------------------------------------------------------------
@@ -129,11 +132,13 @@ class Engine(Runner):
             return  # aborted rows leave mid-canvas, so they stop costing compute
         cv, model = b.canvas, self.model
         self._count(cv)
-        hidden = model.denoise(cv.tokens, b.caches, cv.signal)
+        reuse = settled.reuse(b.rows, cv)
+        hidden = settled.denoise(model, b.rows, cv, b.caches, reuse)
         inv_temp = 1.0 / cv.temperature()
         out, signal = fast_step(hidden, model.lm_head, inv_temp, cv.entropy_bound, [r.generator for r in b.rows],
-                                cv.done, want_signal=not cv.last_step(b.rows))
-        s = Step(b.rows, cv, hidden, model.lm_head, inv_temp, out, events)
+                                cv.done, want_signal=not cv.last_step(b.rows),
+                                top_k=[r.params.soft_top_k for r in b.rows], reuse=reuse)
+        s = Step(b.rows, cv, hidden, model.lm_head, inv_temp, out, events, self.step_seconds)
         for f in self.features:
             f.step(s)
         cv.advance(b.rows, s.out, signal)

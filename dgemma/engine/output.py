@@ -1,13 +1,14 @@
 """The one path from engine events to what users see, for the Python API, the CLI and the server: committed
-text deltas (never a split character, stop strings held back and honoured), drafts of the current canvas, and
-the final flush with the finish reason."""
+text deltas (never a split character, stop strings held back and honoured), drafts of the current canvas, the
+final flush with the finish reason and, in a chat with tools, the reply's tool calls; and the `Result` of it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from dgemma.engine.request import Event
+from dgemma.chat.tools import ToolUse
+from dgemma.engine.request import Event, Stats
 from dgemma.sampling import stop_holdback, truncate_at_stop_strings
 from dgemma.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -16,9 +17,10 @@ from dgemma.tokenizer import IncrementalDecoder, Tokenizer
 class StreamEvent:
     """draft: the current canvas (text and ids, each position's own text in `pieces`, the positions the step
     kept in `accepted`; `canvas` counts committed canvases, `step` the denoising steps of this one); text: newly
-    committed text and ids; done: the request ended (`finish_reason`; the API adds its `result`)."""
+    committed text and ids; done: the request ended (`finish_reason`; its `result`, a Result, when it ended
+    normally); start (the server's only): the request entered the batch."""
 
-    kind: Literal["draft", "text", "done"]
+    kind: Literal["draft", "text", "done", "start"]
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -30,14 +32,34 @@ class StreamEvent:
     accepted: list[bool] = field(default_factory=list)
 
 
+@dataclass
+class Result:
+    """One finished request. With tools, a reply of calls has `tool_calls` (OpenAI's shape: id, type, function
+    {name, arguments as JSON text}), text None and finish reason "tool_calls", as the server reports them."""
+
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    stats: dict[str, Any] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    logprobs: list | None = None  # with logprobs=k: (id, logprob, [(id, logprob)] * k) per token (sampling/logprobs.py)
+    tool_calls: list[dict[str, Any]] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 class OutputStream:
     """One request's engine events in, StreamEvents out. Committed ids are detokenized incrementally; text that
     may still become a stop string is held back. When `stopped` turns True (a stop string was seen) the caller
     aborts the engine request; later events are ignored. Each event costs time linear in its own ids and text
-    (the held-back text is at most the longest stop string), never in the whole output."""
+    (the held-back text is at most the longest stop string), never in the whole output. With `tools` that may be
+    called, the text is held back to the end, where it becomes either the reply's calls or one text delta."""
 
-    def __init__(self, tokenizer: Tokenizer | None, stops: tuple[str, ...] = ()):
+    def __init__(self, tokenizer: Tokenizer | None, stops: tuple[str, ...] = (), tools: ToolUse | None = None):
         self.tokenizer, self.stops = tokenizer, stops
+        self.tools = tools if tools is not None and tools.mode != "none" else None
+        self.tool_calls: list[dict[str, Any]] | None = None
         self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
         self.ids: list[int] = []
         self._emitted: list[str] = []  # text given out, in pieces
@@ -76,16 +98,33 @@ class OutputStream:
             return [StreamEvent("draft", text, ids, canvas=self.canvases, step=self.steps, pieces=pieces,
                                 accepted=event.accepted)]
         if event.kind == "commit":
-            self.canvases, self.steps = self.canvases + 1, 0
+            if event.ends_canvas:
+                self.canvases, self.steps = self.canvases + 1, 0
             self.ids.extend(event.token_ids)
             self.logprobs.extend(event.logprobs or [])
-            out = [StreamEvent("text", self._push(event.token_ids), event.token_ids, logprobs=event.logprobs)]
-            return out + [self._done("stop")] if self.stopped else out
+            delta = self._push(event.token_ids)
+            out = [StreamEvent("text", "" if self.tools else delta, event.token_ids, logprobs=event.logprobs)]
+            return out + self._end("stop") if self.stopped else out
         reason = event.finish_reason
         if reason not in ("stop", "length"):
             return [self._done(reason)]
-        tail = self._push([], final=True)  # may complete a stop string held back until now
-        return ([StreamEvent("text", tail)] if tail else []) + [self._done("stop" if self.stopped else reason)]
+        return self._end(reason)
+
+    def result(self, prompt_tokens: int, logprobs: bool, stats: Stats | None = None) -> Result:
+        """The finished request's Result (`logprobs`: whether they were asked for)."""
+        ids = self.kept_ids()
+        return Result(ids, None if self.tool_calls else self.text, self.finish_reason,
+                      stats.to_dict(len(ids)) if stats is not None else {}, prompt_tokens,
+                      self.logprobs[:len(ids)] if logprobs else None, self.tool_calls)
+
+    def _end(self, reason: str) -> list[StreamEvent]:
+        """A normal end: the text held back (a stop string may complete it), or with tools the reply's calls."""
+        tail = self._push([], final=True)
+        reason = "stop" if self.stopped else reason
+        if self.tools is not None:
+            message, reason = self.tools.reply(self.text, self.kept_ids(), reason, self.tokenizer.decode)
+            self.tool_calls, tail = message.get("tool_calls"), message["content"] or ""
+        return ([StreamEvent("text", tail)] if tail else []) + [self._done(reason)]
 
     def _push(self, ids: list[int], final: bool = False) -> str:
         """Newly committed ids -> the text now safe to show. A stop string not seen yet starts in the held-back

@@ -17,6 +17,7 @@ from dgemma.sampling import SamplingParams, reference_step
 
 
 class ReferenceRunner(Runner):
+    sampling = "reference"
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], pad_id: int = 0):
         super().__init__(model, eos_ids)
         self.pad_id = pad_id

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -20,6 +20,12 @@ class Stats:
     decoder_passes: int = 0
     eos_tokens: int = 0  # counted in tokens_per_forward, as transformers does
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of encoded
+    # opt-in savings (bench/flops.py counts them): canvas positions left out of the head / soft embedding, and
+    # soft embeddings computed sparse (top-k) instead of over the whole vocabulary
+    skipped_head_rows: int = 0
+    skipped_soft_rows: int = 0
+    sparse_soft_rows: int = 0
+    skipped_body_rows: int = 0  # canvas positions left out of the body (settled_kv_reuse)
     t_arrival: float = field(default_factory=time.perf_counter)
     t_start: float | None = None
     t_first_commit: float | None = None
@@ -31,6 +37,10 @@ class Stats:
             "steps_per_canvas": self.steps_per_canvas,
             "decoder_passes": self.decoder_passes,
             "cached_tokens": self.cached_tokens,
+            "skipped_head_rows": self.skipped_head_rows,
+            "skipped_soft_rows": self.skipped_soft_rows,
+            "sparse_soft_rows": self.sparse_soft_rows,
+            "skipped_body_rows": self.skipped_body_rows,
             "tokens_per_forward": (n_tokens + self.eos_tokens) / self.decoder_passes if self.decoder_passes else 0.0,
             "seconds": seconds,
             "queue_seconds": (self.t_start or self.t_arrival) - self.t_arrival,
@@ -53,6 +63,10 @@ class Request:
     grammar: RowGrammar | None = None  # the request's grammar state, when its params carry a grammar
     seeded: SeedState | None = None  # its progress through a seeded layout (fixed tokens and holes)
     canvas_logprobs: list[Entry] | None = None  # this canvas's, when params.logprobs is set (sampling/logprobs.py)
+    sent: int = 0  # ids of this canvas committed early (params.early_commit), ahead of its commit
+    early: Any = None  # early commit's history of this canvas (engine/features/early_commit.py)
+    latency: Any = None  # a latency target's state: the request's own step cap (engine/features/latency.py)
+    settled: Any = None  # per-position settled runs, when params.skip_settled is set (engine/features/settled.py)
 
     @property
     def budget(self) -> int:
@@ -71,7 +85,8 @@ class Request:
         return ids[:min(cut, self.budget)]
 
     def commit(self, canvas: list[int], steps: int, events: list[Event]) -> None:
-        """Append a finished canvas's visible tokens; finish on EOS ("stop") or an exhausted budget ("length")."""
+        """Append a finished canvas's visible tokens (its event carries those not `send`-ed early); finish on EOS
+        ("stop") or an exhausted budget ("length")."""
         self.stats.steps_per_canvas.append(steps)
         if self.seeded is not None:
             new, complete = self.seeded.take(canvas)
@@ -86,12 +101,21 @@ class Request:
         self.output.extend(new)
         self.stats.t_first_commit = self.stats.t_first_commit or time.perf_counter()
         logprobs, self.canvas_logprobs = self.canvas_logprobs, None
-        events.append(Event(self.id, "commit", new, logprobs=None if logprobs is None else logprobs[:len(new)]))
+        sent, self.sent = self.sent, 0  # the first `sent` ids went out already (`send`)
+        events.append(Event(self.id, "commit", new[sent:],
+                            logprobs=None if logprobs is None else logprobs[sent:len(new)]))
         if hit_eos:
             self.stats.eos_tokens += 1
             self.finish("stop", events)
         elif self.budget <= 0:
             self.finish("length", events)
+
+    def send(self, ids: list[int], logprobs: list[Entry] | None, events: list[Event]) -> None:
+        """Commit the next `ids` of the current canvas before it ends (early commit); the canvas's own commit
+        appends them to `output` with the rest and sends only the rest."""
+        self.sent += len(ids)
+        self.stats.t_first_commit = self.stats.t_first_commit or time.perf_counter()
+        events.append(Event(self.id, "commit", ids, logprobs=logprobs, ends_canvas=False))
 
     def finish(self, reason: str, events: list[Event] | None = None) -> None:
         self.finish_reason = reason
@@ -103,7 +127,8 @@ class Request:
 @dataclass
 class Event:
     """draft: the visible part of the current canvas (`accepted`: which of its positions the step kept);
-    commit: newly committed ids; finish: the request ended."""
+    commit: newly committed ids (`ends_canvas` False: an early commit, its canvas goes on); finish: the request
+    ended."""
 
     request_id: str
     kind: Literal["draft", "commit", "finish"]
@@ -111,3 +136,4 @@ class Event:
     finish_reason: str | None = None
     logprobs: list[Entry] | None = None  # commit: one entry per committed id, when the request asked
     accepted: list[bool] = field(default_factory=list)
+    ends_canvas: bool = True

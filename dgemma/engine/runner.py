@@ -16,8 +16,7 @@ _ids = itertools.count()
 
 
 class Runner:
-    constrains = False  # follows request grammars
-    seeds = False  # follows seeded layouts (suffix, template, edit)
+    mode, sampling = "diffusion", "fast"  # what a request may ask of it: SamplingParams.check_decoding
 
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], features: tuple[Feature, ...] = FEATURES):
         self.model, self.features = model, features
@@ -35,9 +34,10 @@ class Runner:
     def make_request(self, prompt: list[int], params: SamplingParams, request_id: str | None, drafts: bool,
                      own_generator: bool = True) -> Request:
         """`own_generator=False`: the reference draws from the global RNG."""
-        eos = params.eos_token_ids if params.eos_token_ids is not None else self.eos_ids
+        eos = tuple(params.eos_token_ids if params.eos_token_ids is not None else self.eos_ids)
+        params.check_decoding(self.mode, self.sampling, eos, self.grammar_vocab is not None)
         generator = make_generator(params.seed, self.model.device) if own_generator else None
-        req = Request(request_id or f"req-{next(_ids)}", list(prompt), params, tuple(eos), drafts, generator)
+        req = Request(request_id or f"req-{next(_ids)}", list(prompt), params, eos, drafts, generator)
         for f in self.features:
             f.attach(req, self)
         return req

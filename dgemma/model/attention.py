@@ -82,11 +82,13 @@ class Attention(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope(spec.sliding), self.head_dim), persistent=False)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], parts: list[Part],
-                write: bool = True) -> torch.Tensor:
+                write: bool = True, keep: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
         """x [B, L, H]; each part's rows take slots start..start+L of its cache and attend to slots span.lo.. of it.
 
         write=True puts the new keys in the cache first (encoder commit, or the decoder's scratch slots);
         write=False leaves the cache untouched and appends them (training, where the cache is in the graph).
+        keep=(index [B, L], n): x holds only these of a canvas's n positions; the others' keys and values stay
+        what the canvas's last pass wrote to their scratch slots (settled positions, engine/features/settled.py).
         """
         b, n, _ = x.shape
         cos, sin = rope
@@ -96,8 +98,13 @@ class Attention(nn.Module):
         for part in parts:
             rows = slice(row, row + part.cache.batch_size)
             row = rows.stop
+            ours = tuple(t[rows] for t in new)
+            if keep is not None:
+                index = keep[0][rows, None, :, None].expand_as(ours[0])
+                ours = tuple(old.scatter(2, index, t) for old, t in
+                             zip(part.cache.read(self.layer, part.start, keep[1]), ours))
             if write:
-                seen = part.cache.view(self.layer, part.span.lo, part.start, *(t[rows] for t in new))
+                seen = part.cache.view(self.layer, part.span.lo, part.start, *ours)
             else:
                 old = part.cache.slice(self.layer, part.span.lo, part.start)
                 seen = tuple(torch.cat([o, t[rows]], dim=2) for o, t in zip(old, new))

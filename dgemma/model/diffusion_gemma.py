@@ -61,8 +61,8 @@ class Block(nn.Module):
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], parts: list[Part], encoder: bool,
-                write: bool = True) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), rope, parts, write)
+                write: bool = True, keep: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), rope, parts, write, keep)
         x = x + self.post_attention_layernorm(attn)
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
         flat = x.reshape(-1, x.shape[-1])
@@ -174,15 +174,21 @@ class DiffusionGemma(nn.Module):
         return x, images.groups(ids) if self.cfg.bidirectional_vision else None
 
     def denoise(self, canvas: torch.Tensor, cache: Caches, signal: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, context: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, context: torch.Tensor | None = None,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
         """Bidirectional pass over canvas [B, C] attending to the cache (or caches, as in `encode`); returns normed
         hidden [B, C, H].
 
         `signal` is the self-conditioning soft embedding [B, C, H] (`soft_embed` of the previous logits), or None
         for the zero signal of the first step. `context` [B] (training, one cache) limits row b to its first
         context[b] cached tokens and leaves the cache untouched; `positions` then default to context[b] + arange(C).
+        `keep` [B, m] (inference): run only these positions, returning [B, m, H]; the others' keys and values are
+        those the canvas's previous pass left in the cache (an approximation once their inputs moved on).
         """
         n, caches = canvas.shape[1], _listed(cache)
+        if keep is not None:
+            canvas = canvas.gather(1, keep)
+            signal = None if signal is None else signal.gather(1, keep[..., None].expand(-1, -1, signal.shape[-1]))
         x = self.self_conditioning(self.embed(canvas), signal)
         if context is not None:
             (c,) = caches
@@ -193,20 +199,21 @@ class DiffusionGemma(nn.Module):
         for c in caches:
             c.scratch(n)
         parts = {s: [Part(c, c.length, c.decoder_span(n, s)) for c in caches] for s in (True, False)}
-        return self.norm(self._run(x, parts, n, positions, encoder=False))
+        return self.norm(self._run(x, parts, n, positions, encoder=False, keep=None if keep is None else (keep, n)))
 
-    def _run(self, x, parts, n, positions, encoder, write=True):
+    def _run(self, x, parts, n, positions, encoder, write=True, keep=None):
         if positions is None:
             positions = torch.cat([torch.arange(p.start, p.start + n, device=x.device).expand(p.cache.batch_size, n)
                                    for p in parts[True]])
         parts = {True: parts[True], False: self._full_parts(parts[False], positions, n, write)}
+        rope_at = positions if keep is None else positions.gather(1, keep[0])
         ropes = {}
         for block in self.layers:
             attn = block.self_attn
             key = (attn.sliding, attn.head_dim)
             if key not in ropes:
-                ropes[key] = rope_cos_sin(attn.inv_freq, positions, x.dtype)
-            x = block(x, ropes[key], parts[attn.sliding], encoder, write)
+                ropes[key] = rope_cos_sin(attn.inv_freq, rope_at, x.dtype)
+            x = block(x, ropes[key], parts[attn.sliding], encoder, write, keep)
         return x
 
     def _full_parts(self, parts: list[Part], positions: torch.Tensor, n: int, write: bool) -> list[Part]:

@@ -31,7 +31,11 @@ class Head:
         """hidden [..., H] -> float32 logits [..., V]."""
         w = self.weight
         logits = (w.linear(hidden) if isinstance(w, QuantizedWeight) else matmul(hidden, w.T)).float()
-        return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
+        if not self.softcap:
+            return logits
+        if torch.is_grad_enabled() and logits.requires_grad:
+            return torch.tanh(logits / self.softcap) * self.softcap
+        return logits.div_(self.softcap).tanh_().mul_(self.softcap)  # in place: no fresh vocabulary-sized tensors
 
     def soft_embed(self, logits: Tensor) -> Tensor:
         """softmax(logits) @ E * sqrt(H): the self-conditioning signal, in the embedding's dtype."""

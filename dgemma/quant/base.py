@@ -35,13 +35,14 @@ DEVICE_CHUNK_ELEMENTS = 1 << 26
 _local = threading.local()
 
 
-def workspace(numel: int, dtype: torch.dtype, device: torch.device, fresh: bool) -> torch.Tensor:
-    """A flat float buffer reused across calls on this thread (allocating per call costs page faults)."""
+def workspace(numel: int, dtype: torch.dtype, device: torch.device, fresh: bool, use: str = "") -> torch.Tensor:
+    """A flat buffer reused across calls on this thread (allocating per call costs page faults); `use` names a
+    buffer of its own for callers whose data must survive the decode workspace's next use."""
     if fresh:
         return torch.empty(numel, dtype=dtype, device=device)
     ws = getattr(_local, "buffers", {})
     _local.buffers = ws
-    key = (dtype, device)
+    key = (dtype, device, use) if use else (dtype, device)
     buf = ws.get(key)
     if buf is None or buf.numel() < numel:
         with torch.inference_mode(False):  # a normal tensor: usable in and outside inference mode

@@ -77,12 +77,16 @@ class Grammar:
         return {"json_object": "a JSON object", "json_schema": "the JSON schema", "regex": "the regex",
                 "lark": "the grammar"}[self.kind]
 
+    def invalid(self, reason: str) -> SamplingParamsError:
+        """The one error of a grammar llguidance refuses (compiling it, or building a matcher)."""
+        return SamplingParamsError(f"{self.describe()} is invalid or not supported: {reason}", self.param)
+
 
 def compiled(g: Grammar) -> str:
     """llguidance's grammar text for `g`; raises SamplingParamsError with llguidance's reason."""
     text, error = _compile(g.kind, g.source)
     if error:
-        raise SamplingParamsError(f"{g.describe()} is invalid or not supported: {error}", g.param)
+        raise g.invalid(error)
     return text
 
 
@@ -122,10 +126,7 @@ class GrammarVocab:
         """A fresh matcher for one request; raises SamplingParamsError when `g` cannot match anything."""
         m = llguidance.LLMatcher(self.tokenizer, compiled(g), log_level=0)
         if m.is_error():
-            reason = _first_line(m.get_error())
-            raise SamplingParamsError(f"{g.describe()} is invalid or not supported: {reason}", g.param)
-        if not eos:
-            raise SamplingParamsError("constrained output needs an end-of-sequence token", g.param)
+            raise g.invalid(_first_line(m.get_error()))
         row = RowGrammar(m, self, eos)
         if not row.allowed().any():
             raise SamplingParamsError(f"{g.describe()} cannot match any text", g.param)

@@ -7,6 +7,10 @@ with probability chunk mass / mass so far: exactly softmax-distributed). The emb
 only [positions, chunk] blocks are alive (preallocated once per step), and no random number is drawn per
 vocabulary entry. Scores are kept in base 2 (log2 e folded into the scale) because exp2 is several times
 cheaper than exp on CPUs.
+
+Two opt-in savings (defaults off, `SamplingParams.soft_top_k` / `skip_settled`): a sparse soft embedding (the
+running top-k of each position's distribution, renormalised, times those k embedding rows, instead of the p @ E
+GEMM over the whole vocabulary), and settled positions left out of the step (their previous outputs reused).
 """
 
 from __future__ import annotations
@@ -97,6 +101,22 @@ class _Running:
         self.best = torch.full((n,), -math.inf, **f32)
         self.argmax = torch.zeros(n, dtype=torch.long, device=device)
         self.sample = torch.zeros_like(self.argmax)
+        self.top = torch.empty(n, 0, **f32)  # sparse soft embedding: the k best squashed scores so far
+        self.top_ids = torch.empty(n, 0, dtype=torch.long, device=device)
+
+    def signal(self, embedding: Tensor | QuantizedWeight, embed_scale: float, scale: Tensor, shift: Tensor) -> Tensor:
+        """The soft embedding: dense (the running p @ E), or sparse over the running top-k when it was tracked."""
+        if self.top.shape[1]:
+            return sparse_soft_embedding(self.top * scale - shift, self.top_ids, embedding, embed_scale)
+        return (self.soft / self.mass[:, None] * embed_scale).to(embedding.dtype)
+
+    def update_topk(self, squashed: Tensor, lo: int, k: int) -> None:
+        """Merge the chunk's k best (squashed, so monotonic in the logits) entries into the running k best."""
+        vals, ids = squashed.topk(min(k, squashed.shape[1]), dim=-1)
+        self.top, self.top_ids = torch.cat([self.top, vals], 1), torch.cat([self.top_ids, ids + lo], 1)
+        if self.top.shape[1] > k:
+            self.top, keep = self.top.topk(k, dim=-1)
+            self.top_ids = self.top_ids.gather(1, keep)
 
     def update_argmax(self, squashed: Tensor, lo: int) -> Tensor:
         """Track the argmax (squashing is monotonic); returns the chunk's row maxima."""
@@ -134,10 +154,11 @@ class _Running:
 
 def vocab_step(hidden: Tensor, embedding: Tensor | QuantizedWeight, softcap: float, embed_scale: float,
                inv_temp: Tensor, uniforms: Tensor, want_signal: bool = True, sync_free: bool | None = None,
-               chunk: int | None = None) -> VocabStep:
+               chunk: int | None = None, top_k: int | None = None) -> VocabStep:
     """hidden [N, H] (final-normed), embedding [V, H], inv_temp [N], uniforms [N, num_uniforms(V, chunk)] in
     [0, 1); chunk defaults to `vocab_chunk(device)`.
-    `want_signal=False` skips the soft embedding (half the GEMM work) when no later step will read it.
+    `want_signal=False` skips the soft embedding (half the GEMM work) when no later step will read it; `top_k`
+    makes it sparse: softmax over each position's k most likely entries only, times their k embedding rows.
     `sync_free` (default: off the CPU) updates every row each chunk instead of asking the host which rows
     changed: more arithmetic, no device-to-host synchronisation."""
     n, v, device = hidden.shape[0], embedding.shape[0], hidden.device
@@ -155,16 +176,30 @@ def vocab_step(hidden: Tensor, embedding: Tensor | QuantizedWeight, softcap: flo
         w = rows.logits(k, lo, chunk)
         s = buf.squash(w)
         top = run.update_argmax(s, lo)
+        if want_signal and top_k:
+            run.update_topk(s, lo, top_k)
         new_peak = torch.maximum(run.peak, (top[:, None] * scale - shift).squeeze(1))
         s.mul_(scale).sub_(shift + new_peak[:, None])  # s - peak <= 0
         p = torch.exp2(s, out=buf.prob[:, :w])
         chunk_mass = run.update_mass(s, p, new_peak)  # s is not needed after this
-        if want_signal:
+        if want_signal and not top_k:
             run.soft.mul_(run.decay[:, None]).add_(rows.soft(k, p))
         run.update_sample(p, chunk_mass, uniforms[:, 2 * k], uniforms[:, 2 * k + 1], lo)
     entropy = (torch.log2(run.mass) - run.moment / run.mass) / LOG2E
-    signal = (run.soft / run.mass[:, None] * embed_scale).to(embedding.dtype) if want_signal else None
+    signal = run.signal(embedding, embed_scale, scale, shift) if want_signal else None
     return VocabStep(run.argmax, run.sample, entropy, signal)
+
+
+def sparse_soft_embedding(scores: Tensor, ids: Tensor, embedding: Tensor | QuantizedWeight,
+                          embed_scale: float) -> Tensor:
+    """softmax over base-2 scores [N, k] (renormalised over those k) @ E[ids [N, k]] * embed_scale, in E's dtype:
+    a weighted sum of k embedding rows per position (embedding_bag: the [N, k, H] gather is never built)."""
+    w = torch.softmax(scores / LOG2E, dim=-1)
+    if isinstance(embedding, QuantizedWeight):
+        out = torch.einsum("nk,nkh->nh", w, embedding.embedding(ids).float())
+    else:
+        out = torch.nn.functional.embedding_bag(ids, embedding, per_sample_weights=w.to(embedding.dtype), mode="sum")
+    return (out * embed_scale).to(embedding.dtype)
 
 
 class _FloatRows:
@@ -209,26 +244,68 @@ def _inverse_cdf(p: Tensor, u: Tensor, total: Tensor) -> Tensor:
     return torch.searchsorted(cdf, (u * total)[:, None], right=True).squeeze(1).clamp_(max=p.shape[1] - 1)
 
 
+class Reuse(NamedTuple):
+    """Settled positions a step leaves out, and their previous outputs it reuses (engine/features/settled.py)."""
+
+    skip: Tensor  # [B, C] bool
+    argmax: Tensor  # [B, C] the previous draft
+    tokens: Tensor  # [B, C] the previous canvas (their accepted samples); their entropy counts as 0
+    signal: Tensor | None  # [B, C, H] the previous self-conditioning signal
+
+
 def fast_step(hidden: Tensor, head: Head, inv_temp: Tensor, entropy_bound: Tensor, generators: list[torch.Generator],
-              done: list[bool], want_signal: bool) -> tuple[StepOutput, Tensor | None]:
+              done: list[bool], want_signal: bool, top_k: list[int | None] | None = None,
+              reuse: Reuse | None = None) -> tuple[StepOutput, Tensor | None]:
     """The fast denoising step for hidden [B, C, H]: `vocab_step`, entropy-bound acceptance, renoising; returns
     the step and the self-conditioning signal [B, C, H] (None when not wanted). Each row draws from its own
     generator (uniforms, then renoise tokens); done rows draw nothing, so a row's random stream does not
-    depend on how long the rest of the batch runs. inv_temp, entropy_bound: [B]."""
+    depend on how long the rest of the batch runs. inv_temp, entropy_bound: [B]. `top_k`: each row's sparse
+    soft embedding (None: dense); `reuse`: positions left out (accepted with their previous outputs)."""
     bsz, c, h = hidden.shape
     vocab, device = head.vocab_size, hidden.device
     chunk = vocab_chunk(device)
     uniforms = torch.zeros(bsz, c, num_uniforms(vocab, chunk), device=device)
     noise = torch.zeros(bsz, c, dtype=torch.long, device=device)
-    live = [i for i, d in enumerate(done) if not d]
-    for i in live:
+    for i in (i for i, d in enumerate(done) if not d):  # each generator: uniforms, then noise
         uniforms[i] = torch.rand(uniforms.shape[1:], generator=generators[i], device=device)
-    out = vocab_step(hidden.reshape(-1, h), head.weight, head.softcap, head.scale, inv_temp.repeat_interleave(c),
-                     uniforms.flatten(0, 1), want_signal=want_signal, chunk=chunk)
-    entropy = out.entropy.view(bsz, c)
-    accept = entropy_bound_accept(entropy, entropy_bound[:, None])
-    for i in live:
         noise[i] = random_tokens((c,), vocab, device, generators[i])
-    canvas = renoise(out.sample.view(bsz, c), accept, noise)
+    args = (hidden.reshape(-1, h), head.weight, head.softcap, head.scale, inv_temp.repeat_interleave(c),
+            uniforms.flatten(0, 1))
+    if reuse is None and not any(top_k or ()):
+        out = vocab_step(*args, want_signal=want_signal, chunk=chunk)
+    else:
+        ks = torch.tensor([k or 0 for k in top_k or [0] * bsz]).repeat_interleave(c)
+        out = _grouped_step(args, ks, None if reuse is None else ~reuse.skip.flatten().cpu(), want_signal, chunk)
+    argmax, sample, entropy = out.argmax.view(bsz, c), out.sample.view(bsz, c), out.entropy.view(bsz, c)
     signal = None if out.signal is None else out.signal.view(bsz, c, h)
-    return StepOutput(canvas, out.argmax.view(bsz, c), accept, entropy), signal
+    if reuse is not None:
+        skip = reuse.skip
+        argmax, sample = torch.where(skip, reuse.argmax, argmax), torch.where(skip, reuse.tokens, sample)
+        entropy = entropy.masked_fill(skip, 0.0)
+        if signal is not None and reuse.signal is not None:
+            signal = torch.where(skip[..., None], reuse.signal, signal)
+    accept = entropy_bound_accept(entropy, entropy_bound[:, None])
+    if reuse is not None:
+        accept = accept | reuse.skip
+    return StepOutput(renoise(sample, accept, noise), argmax, accept, entropy), signal
+
+
+def _grouped_step(args: tuple, ks: Tensor, keep: Tensor | None, want_signal: bool, chunk: int) -> VocabStep:
+    """`vocab_step` over the kept positions (keep [N] bool on the host; None: all), one call per soft top-k value
+    (ks [N], 0: dense); left-out positions get zeros."""
+    hidden, embedding = args[0], args[1]
+    n, device = hidden.shape[0], hidden.device
+    argmax, sample = (torch.zeros(n, dtype=torch.long, device=device) for _ in range(2))
+    entropy = torch.zeros(n, device=device)
+    signal = torch.zeros(n, hidden.shape[1], dtype=embedding.dtype, device=device) if want_signal else None
+    for k in sorted(set(ks.tolist())):
+        rows = (ks == k) if keep is None else (ks == k) & keep
+        idx = rows.nonzero().squeeze(1).to(device)
+        if idx.numel() == 0:
+            continue
+        out = vocab_step(args[0][idx], *args[1:4], args[4][idx], args[5][idx], want_signal=want_signal,
+                         chunk=chunk, top_k=k or None)
+        argmax[idx], sample[idx], entropy[idx] = out.argmax, out.sample, out.entropy
+        if want_signal:
+            signal[idx] = out.signal
+    return VocabStep(argmax, sample, entropy, signal)

@@ -17,6 +17,10 @@ MAX_NEW_TOKENS = 1_000_000
 MAX_DENOISING_STEPS = 10_000
 MAX_SEED = 2**64 - 1
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
+MAX_SOFT_TOP_K = 1 << 20
+# SamplingParams fields the autoregressive and reference decoders cannot follow
+DIFFUSION_ONLY = ("logprobs", "soft_top_k", "skip_settled", "settled_kv_reuse", "early_commit", "early_stop",
+                  "target_canvas_ms")
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,15 @@ class SamplingParams:
     seeded: Layout | None = None  # fixed tokens and holes (sampling/seeded.py); sets max_new_tokens
     logprobs: int | None = None  # report log-probabilities with this many alternatives (sampling/logprobs.py)
     cache_salt: str | None = None  # prefix-cache partition: only prefixes cached under the same salt are reused
+    early_commit: int | None = None  # commit a canvas's left prefix once stable this many steps (sampling/early.py)
+    early_stop: float | None = None  # end a canvas once its mean token entropy is below this, stable or not
+    target_canvas_ms: float | None = None  # each canvas's step budget from the engine's measured step time
+    # opt-in savings that change outputs (docs/performance.md): a sparse self-conditioning soft embedding over each
+    # position's k most likely tokens; positions settled for this many steps left out of the step (sampling/fused.py),
+    # and with settled_kv_reuse out of the body too (their keys and values reused: approximate)
+    soft_top_k: int | None = None
+    skip_settled: int | None = None
+    settled_kv_reuse: bool | None = None
 
     def __post_init__(self) -> None:
         # Normalise containers so the object stays hashable: a bare str / int means a 1-tuple.
@@ -106,12 +119,57 @@ class SamplingParams:
             _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
             if self.seeded is not None:
                 _fail("logprobs with a suffix, template or edit are not supported", "logprobs")
+        self._check_speed()
+        self._check_savings()
         if self.seeded is not None:
             if not isinstance(self.seeded, Layout):
                 _fail("seeded must be a dgemma.sampling.seeded.Layout", "seeded")
             self.seeded.check()
             if self.grammar is not None:
                 _fail("a grammar and a seeded canvas (suffix, template, edit) cannot be combined", self.seeded.param)
+
+    def _check_speed(self) -> None:
+        """early_commit: steps a position must stay unchanged; it commits text before the canvas ends, which a
+        grammar's or a layout's whole-canvas rules cannot follow. early_stop: an entropy threshold; target_canvas_ms: a
+        canvas's wall time in milliseconds."""
+        if self.early_stop is not None:
+            _positive("early_stop", self.early_stop)
+        if self.target_canvas_ms is not None:
+            _positive("target_canvas_ms", self.target_canvas_ms)
+        if self.early_commit is None:
+            return
+        _int_in("early_commit", self.early_commit, 1, MAX_DENOISING_STEPS)
+        if self.grammar is not None or self.seeded is not None:
+            _fail("early_commit cannot be combined with a grammar or a suffix, template or edit", "early_commit")
+
+    def _check_savings(self) -> None:
+        if self.soft_top_k is not None:
+            _int_in("soft_top_k", self.soft_top_k, 1, MAX_SOFT_TOP_K)
+        if self.skip_settled is not None:
+            _int_in("skip_settled", self.skip_settled, 1, MAX_DENOISING_STEPS)
+            if self.grammar is not None or self.seeded is not None:
+                _fail("skip_settled with a grammar, suffix, template or edit is not supported", "skip_settled")
+        if self.settled_kv_reuse is not None:
+            if not isinstance(self.settled_kv_reuse, bool):
+                _fail(f"settled_kv_reuse={self.settled_kv_reuse!r} must be true or false", "settled_kv_reuse")
+            if self.settled_kv_reuse and (self.skip_settled is None or self.logprobs is not None):
+                _fail("settled_kv_reuse needs skip_settled and no logprobs", "settled_kv_reuse")
+
+    def check_decoding(self, mode: str, sampling: str, eos: tuple[int, ...], tokenizer: bool) -> None:
+        """What a request asks of its decoding (`mode`, `sampling`) and of the checkpoint (its end-of-sequence ids
+        `eos`, whether it has a `tokenizer` for grammars): checked by the API before a request is made and by every
+        engine (runner.make_request). A field only fast diffusion decoding follows: its name in DIFFUSION_ONLY."""
+        g, s, fast_diffusion = self.grammar, self.seeded, (mode, sampling) == ("diffusion", "fast")
+        only = next((name for name in DIFFUSION_ONLY if getattr(self, name) is not None), None)
+        for broken, message, param in (
+                (g and sampling != "fast", "constrained output needs the fast sampler", g and g.param),
+                (g and not tokenizer, "constrained output needs a tokenizer; this checkpoint has none", g and g.param),
+                (g and not eos, "constrained output needs an end-of-sequence token", g and g.param),
+                (s and not fast_diffusion, "a suffix, template or edit needs fast diffusion decoding", s and s.param),
+                (s and not eos, "a suffix, template or edit needs an end-of-sequence token", s and s.param),
+                (only and not fast_diffusion, f"{only} needs fast diffusion decoding", only)):
+            if broken:
+                _fail(message, param)
 
     def validate(self, vocab_size: int | None = None, max_context: int | None = None, prompt_len: int = 0,
                  limits: Limits = Limits(), cache_bytes: Callable[[int], int] | None = None) -> None:
@@ -121,7 +179,7 @@ class SamplingParams:
             self.seeded.check(vocab_size)
         if vocab_size is not None and self.eos_token_ids and max(self.eos_token_ids) >= vocab_size:
             _fail(f"eos_token_ids={self.eos_token_ids!r} outside the vocabulary (size {vocab_size})", "eos_token_ids")
-        _cap("prompt", prompt_len, limits.max_prompt_tokens, "the prompt has {} tokens; at most {} are allowed")
+        check_length("prompt", prompt_len, limits.max_prompt_tokens)
         _cap("max_new_tokens", self.max_new_tokens, limits.max_new_tokens, "max_new_tokens ({}) exceeds the limit ({})")
         _cap("stop", len(self.stop), limits.max_stop, "{} stop strings; at most {} are allowed")
         for s in self.stop:
@@ -175,6 +233,15 @@ class SamplingParams:
 
 def _fail(message: str, param: str) -> None:
     raise SamplingParamsError(message, param)
+
+
+def check_length(param: str, size: int, cap: int | None, unit: str = "tokens", fits: int | None = None) -> None:
+    """The length rule of a prompt or a seeded canvas's text: at most `cap` tokens (None: no cap). `size` counts
+    `unit`s; a text counted in characters before it is tokenized is held to `fits`, the most characters `cap` tokens
+    can hold."""
+    if cap is not None and size > (cap if fits is None else fits):
+        fit = "" if fits is None else f", which no text over {fits} characters fits in"
+        _fail(f"the {param} has {size} {unit}; at most {cap} tokens are allowed{fit}", param)
 
 
 def _cap(param: str, value: float, cap: float | None, message: str) -> None:

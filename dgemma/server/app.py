@@ -17,19 +17,20 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from dgemma import __version__
 from dgemma.api import Model
+from dgemma.chat.tools import assistant_message
 from dgemma.sampling import SamplingParamsError
 from dgemma.server import errors, playground, security
 from dgemma.server.config import ServerConfig
 from dgemma.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
-    Chunks,
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
     Health,
     ModelCard,
     ModelList,
+    Shapes,
 )
 from dgemma.server.service import Generation, Service
 
@@ -199,36 +200,30 @@ async def _answer(gen: Generation, body: Any, request: Request, chat: bool) -> R
         gen.close()
     if results is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
-    choices = []
-    for i, (text, reason, entries, ids) in enumerate(results):
-        logprobs = None if entries is None else body.format_logprobs(entries, gen.service.model.token_bytes, 0)
-        if chat:
-            message, reason = body.tool_use().reply(text, ids, reason, gen.service.model.tokenizer.decode)
-            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
-        else:
-            choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason})
-    return JSONResponse({"id": gen.id, "object": "chat.completion" if chat else "text_completion",
-                         "created": gen.created, "model": gen.service.config.model_name, "choices": choices,
-                         "usage": gen.usage()}, headers=ignored)
+    shapes, choices = Shapes(chat, gen.id, gen.created, gen.service.config.model_name), []
+    for i, r in enumerate(results):
+        logprobs = None if r.logprobs is None else body.format_logprobs(r.logprobs, gen.service.model.token_bytes, 0)
+        choices.append(shapes.answer(i, r.text, logprobs, r.finish_reason, assistant_message(r.text, r.tool_calls)))
+    return JSONResponse(shapes.response(choices, gen.usage()), headers=ignored)
 
 
 async def _stream(gen: Generation, body: Any, request: Request, chat: bool, headers: dict[str, str]) -> Response:
     """The response starts when a choice enters the batch (or the first output, whatever it is), so that a
     request refused while queued (--max-queue-seconds) still gets a plain 503 status."""
-    outputs = gen.outputs()
+    events = gen.events()
     try:
-        first = await _unless_disconnected(request, anext(outputs, None))
+        first = await _unless_disconnected(request, anext(events, None))
         if first is None:
             gen.close()
             return Response(status_code=499)  # the client is gone (or nothing came: it was closed)
-        if first.kind == "error" and gen.n == 1:
-            raise first.error
+        if first[1].kind == "done" and first[1].result is None and gen.n == 1:
+            raise gen.errors[first[0]]
     except BaseException:
         gen.close()
         raise
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    chunks = Chunks(chat, gen.id, gen.created, gen.service.config.model_name, include_usage)
-    return EventStream(_events(gen, chunks, _chain(first, outputs), body), on_close=gen.close, headers=headers)
+    chunks = Shapes(chat, gen.id, gen.created, gen.service.config.model_name, include_usage)
+    return EventStream(_events(gen, chunks, _chain(first, events), body), on_close=gen.close, headers=headers)
 
 
 async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -237,52 +232,38 @@ async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield item
 
 
-async def _events(gen: Generation, chunks: Chunks, outputs: AsyncIterator[Any], body: Any) -> AsyncIterator[bytes]:
-    """Role chunks, then committed text per canvas (and drafts when asked), a finish chunk per choice, the
-    usage chunk when asked, then [DONE]. An error mid-stream sends an error object, then [DONE]."""
+async def _events(gen: Generation, chunks: Shapes, events: AsyncIterator[Any], body: Any) -> AsyncIterator[bytes]:
+    """Role chunks, then committed text per canvas (and drafts when asked), a finish chunk per choice (after the
+    reply's tool calls, each whole as its own delta), the usage chunk when asked, then [DONE]. An error mid-stream
+    sends an error object, then [DONE]."""
     if chunks.chat:
         for i in range(gen.n):
             yield _data(chunks.choice(i, role=True))
     shown = [0] * gen.n  # characters sent per choice (completions' text_offset)
-    tools = body.tool_use() if chunks.chat else None
-    held = [""] * gen.n if tools is not None and tools.mode != "none" else None  # calls are read at the end
-    async for out in outputs:
-        if out.kind == "start":
+    async for index, ev in events:
+        if ev.kind == "start" or (ev.kind == "text" and not (ev.text or ev.logprobs)):
             continue
-        if held is not None and out.kind in ("text", "finish"):
-            held[out.index] += out.text
-            if out.kind == "finish":
-                decode = gen.service.model.tokenizer.decode
-                reply = tools.reply(held[out.index], out.token_ids, out.finish_reason, decode)
-                for chunk in _reply_chunks(chunks, out, reply):
-                    yield chunk
-            continue
-        if out.kind == "text" and out.logprobs is not None:
-            logprobs = body.format_logprobs(out.logprobs, gen.service.model.token_bytes, shown[out.index])
-            shown[out.index] += len(out.text)
-            yield _data(chunks.choice(out.index, out.text, logprobs=logprobs))
-        elif out.kind == "text":
-            yield _data(chunks.choice(out.index, out.text))
-        elif out.kind == "draft":
-            yield _data(chunks.choice(out.index, dgemma_draft=out.draft))
-        elif out.kind == "finish":
-            yield _data(chunks.choice(out.index, finish_reason=out.finish_reason))
+        if ev.kind == "text" and ev.logprobs is not None:
+            logprobs = body.format_logprobs(ev.logprobs, gen.service.model.token_bytes, shown[index])
+            shown[index] += len(ev.text)
+            yield _data(chunks.choice(index, ev.text, logprobs=logprobs))
+        elif ev.kind == "text":
+            yield _data(chunks.choice(index, ev.text))
+        elif ev.kind == "draft":
+            draft = {"canvas": ev.canvas, "step": ev.step, "text": ev.text, "token_ids": ev.token_ids,
+                     "tokens": ev.pieces, "accepted": ev.accepted}
+            yield _data(chunks.choice(index, dgemma_draft=draft))
+        elif ev.result is not None:
+            for i, call in enumerate(ev.result.tool_calls or ()):
+                yield _data(chunks.choice(index, call=(i, call)))
+            yield _data(chunks.choice(index, finish_reason=ev.finish_reason))
         else:
-            yield _data(out.error.body())
+            yield _data(gen.errors[index].body())
             yield DONE
             return
     if chunks.include_usage:
         yield _data(chunks.usage(gen.usage()))
     yield DONE
-
-
-def _reply_chunks(chunks: Chunks, out: Any, reply: tuple[dict[str, Any], str]) -> list[bytes]:
-    """A held-back reply: its text as one delta, or each tool call as its own delta (with its index); then the
-    finish reason."""
-    message, reason = reply
-    deltas = [chunks.choice(out.index, call=(i, c)) for i, c in enumerate(message.get("tool_calls") or ())]
-    deltas = deltas or [chunks.choice(out.index, message["content"])] * bool(message["content"])
-    return [_data(d) for d in deltas + [chunks.choice(out.index, finish_reason=reason)]]
 
 
 def _data(obj: dict[str, Any]) -> bytes:

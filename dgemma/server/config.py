@@ -1,78 +1,130 @@
-"""Server settings: limits on requests and admission, and the security switches. Checked once at start-up."""
+"""Server settings, each declared once with its `dgemma serve` flag, help, default and range: limits on requests
+and admission, deadlines, and the security switches. Checked once at start-up."""
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field, fields
+from typing import Any
 
 from dgemma.errors import ConfigError
-from dgemma.image_limits import ImageLimits
-from dgemma.options import MODES
+from dgemma.image_limits import ImageLimits, add_image_options, limits_from_args
+from dgemma.options import MODE_HELP, MODES
 from dgemma.sampling.params import Limits
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+KEY_ENV = "DGEMMA_API_KEY"
+
+
+def setting(value: Any, help: str, flag: str | tuple[str, ...] | None = None, *, least: float | None = None,
+            above: float | None = None, shown: str | None = None, repr: bool = True, **argparse: Any) -> Any:
+    """A ServerConfig field (default `value`) with its flag (default --field-name), `help` (+ the default, or `shown`),
+    lowest value (`least`; `above`: strictly; None passes), other `add_argument` options; tuple value: repeatable."""
+    meta = {"help": help, "flag": flag, "least": least, "above": above, "shown": shown, "argparse": argparse}
+    return field(default=value, repr=repr, metadata=meta)
+
+
+def _split(values: list[str]) -> tuple[str, ...]:  # ["a,b", "c"] -> ("a", "b", "c")
+    return tuple(name.strip() for value in values for name in value.split(",") if name.strip())
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    model_name: str = "demo"
-    host: str = "127.0.0.1"
-    api_keys: tuple[str, ...] = field(default=(), repr=False)  # never printed
-    max_concurrency: int = 16  # sequences decoded together (the engine's batch)
-    max_queue: int = 64  # admitted sequences waiting for a batch row; more are refused with 429
-    max_prompt_tokens: int | None = None  # None: the model's context
-    max_tokens: int | None = None  # cap on max_tokens per choice; None: the model's context
-    max_n: int = 8  # choices per request (n x prompts)
-    max_stop: int = 8  # stop strings per request
-    max_stop_chars: int = 256  # characters per stop string
-    max_body_bytes: int = 4 << 20
-    shutdown_timeout: float = 30.0  # after SIGTERM, in-flight requests get this long before they are aborted
-    cors_origins: tuple[str, ...] = ()  # empty: no CORS headers at all
-    allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides the loopback names; "*": any Host
-    mode: str = "diffusion"  # or "autoregressive": the encoder as a next-token model
-    tokenizer_threads: int = 2  # prompts tokenized / templated at once, off the event loop
-    max_queue_seconds: float | None = None  # admitted requests not in the batch after this long: 503
-    request_timeout: float | None = None  # the longest a request may run (arrival to last token); None: no cap
-    header_timeout: float = 10.0  # seconds from connecting (or from the last response) to a complete header
-    body_timeout: float = 30.0  # seconds to receive a request's whole body
-    keep_alive_timeout: float = 5.0  # an idle keep-alive connection is closed after this long
-    max_connections: int = 512  # open connections; more are answered 503 and closed
-    max_cache_mb: float | None = None  # KV cache one request may need (prompt + max_tokens); None: no cap
-    prefix_cache_mb: int = 1024  # earlier prompts' and answers' KV kept for reuse (diffusion mode); 0: none
-    max_denoising_steps: int | None = None  # fairness caps (diffusion): steps per canvas, None: no cap
-    max_temperature: float | None = None  # highest sampling temperature a request may ask
-    max_token_steps: int | None = None  # max_tokens x max_denoising_steps one request may ask
-    images: ImageLimits = ImageLimits()  # image inputs: caps per image and request, whether URLs are fetched
+    """Each field is one `dgemma serve` flag (`add_flags` declares them, `from_args` reads them back)."""
+
+    model_name: str = setting("demo", "model id clients send", "--served-model-name", shown="the directory's name",
+                              default=None)
+    host: str = setting("127.0.0.1", "address to bind (0.0.0.0 for all, with --allowed-hosts)")
+    port: int = setting(8000, "port (0: any free port, printed at start)", least=0)
+    api_keys: tuple[str, ...] = setting((), f"accepted bearer key (repeatable; also ${KEY_ENV}). Without keys the "
+                                        "API is open", "--api-key", shown="none", repr=False)  # never printed
+    max_concurrency: int = setting(16, "sequences decoded together (the engine's batch)", least=1)
+    max_queue: int = setting(64, "admitted sequences waiting for a batch row; more are refused with 429", least=0)
+    max_cache_mb: float | None = setting(None, "largest KV cache one request may need (its prompt + max_tokens), "
+                                         "MiB; larger requests are refused with 400 before any work", above=0,
+                                         shown="no cap")
+    prefix_cache_mb: int = setting(1024, "MiB of KV cache kept from earlier prompts and answers, so a chat's next "
+                                   "turn or a shared system prompt is not encoded again (least recently used out "
+                                   "first; outputs are unchanged; diffusion mode; 0: off)", least=0)
+    max_prompt_tokens: int | None = setting(None, "longest prompt in tokens", least=1, shown="the context")
+    max_tokens: int | None = setting(None, "largest max_tokens a request may ask", least=1, shown="the context")
+    max_n: int = setting(8, "choices per request, n x prompts", least=1)
+    max_stop: int = setting(8, "stop strings per request", least=1)
+    max_stop_chars: int = setting(256, "characters per stop string", least=1)
+    max_body_bytes: int = setting(4 << 20, "request body cap in bytes", least=1, shown="4 MiB")
+    shutdown_timeout: float = setting(30.0, "seconds in-flight requests get to finish after SIGTERM before they "
+                                      "are aborted", least=0)
+    # deadlines and connection limits: what keeps one client from holding the others up
+    max_queue_seconds: float | None = setting(None, "a request not in the batch after this long is answered 503 "
+                                              "with Retry-After", above=0, shown="no limit")
+    request_timeout: float | None = setting(None, "seconds a request may run from arrival to its last token; later "
+                                            "it is aborted with 408 (requests may ask less with dgemma_timeout)",
+                                            above=0, shown="no limit")
+    header_timeout: float = setting(10.0, "seconds a client has to send a complete request header, from "
+                                    "connecting or from the previous response", above=0)
+    body_timeout: float = setting(30.0, "seconds a client has to send the whole request body", above=0)
+    keep_alive_timeout: float = setting(5.0, "an idle keep-alive connection is closed after this many seconds",
+                                        above=0)
+    max_connections: int = setting(512, "open connections; more are answered 503 and closed", least=1)
+    tokenizer_threads: int = setting(2, "prompts tokenized at once, in threads off the event loop", least=1)
+    # fairness caps: what one request may cost the others; beyond them a request is refused with 400 naming the
+    # field (a checkpoint default above a cap is lowered to it)
+    max_denoising_steps: int | None = setting(None, "most denoising steps per canvas a request may ask "
+                                              "(dgemma_sampling.max_denoising_steps)", least=1,
+                                              shown="no cap beyond 10,000")
+    max_temperature: float | None = setting(None, "highest temperature a request may ask (temperature, "
+                                            "dgemma_sampling.t_max)", above=0, shown="no cap")
+    max_token_steps: int | None = setting(None, "most max_tokens x max_denoising_steps one request may ask: the "
+                                          "decoder work it can cause", least=1, shown="no cap")
+    cors_origins: tuple[str, ...] = setting((), "allow browser calls from this origin (repeatable)", "--cors-origin",
+                                            shown="CORS off")
+    allowed_hosts: tuple[str, ...] = setting((), "Host headers to accept besides the loopback names (repeatable; "
+                                             "others are refused). Required with a non-loopback --host; '*' accepts "
+                                             "any", ("--allowed-hosts", "--allowed-host"), shown="none",
+                                             metavar="NAME[,NAME]")
+    mode: str = setting(MODES[0], MODE_HELP, choices=MODES)
+    log_level: str = setting("info", "server log level", choices=("debug", "info", "warning", "error"))
+    access_log: bool = setting(True, "do not log each request", "--no-access-log", action="store_false")
+    images: ImageLimits = ImageLimits()  # image inputs: their flags are image_limits.add_image_options
 
     def __post_init__(self) -> None:
-        for name in ("max_concurrency", "max_n", "max_stop", "max_stop_chars", "max_body_bytes", "tokenizer_threads",
-                     "max_connections"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
-        for name in ("max_queue", "prefix_cache_mb"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
-        for name in ("max_prompt_tokens", "max_tokens", "max_denoising_steps", "max_token_steps"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        for f in fields(self):
+            _check_setting(f, getattr(self, f.name))
         if self.max_n > self.capacity:
             raise ConfigError(f"--max-n ({self.max_n}) exceeds --max-concurrency + --max-queue ({self.capacity})")
-        if self.max_temperature is not None and not self.max_temperature > 0:
-            raise ConfigError("--max-temperature must be > 0")
-        if self.max_cache_mb is not None and not self.max_cache_mb > 0:
-            raise ConfigError("--max-cache-mb must be > 0")
-        if self.shutdown_timeout < 0:
-            raise ConfigError("--shutdown-timeout must be >= 0")
-        for name in ("max_queue_seconds", "request_timeout", "header_timeout", "body_timeout", "keep_alive_timeout"):
-            if getattr(self, name) is not None and not getattr(self, name) > 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
         if any(not k for k in self.api_keys):
             raise ConfigError("--api-key must not be empty")
         if not self.loopback and not self.allowed_hosts:
             raise ConfigError(f"--host {self.host} is not a loopback address: name the Host headers clients will "
                               "send with --allowed-hosts NAME[,NAME] (or --allowed-hosts '*' to accept any)")
-        if self.mode not in MODES:
-            raise ConfigError(f"--mode {self.mode!r} must be one of {', '.join(MODES)}")
+
+    @staticmethod
+    def add_flags(p: argparse.ArgumentParser) -> None:
+        """One flag per setting, from the declarations above; then the image caps."""
+        for f in fields(ServerConfig):
+            if "help" not in f.metadata:
+                continue
+            m, options = f.metadata, dict(f.metadata["argparse"])
+            shown = f"(default: {m['shown']})" if m["shown"] else f"(default {f.default})"
+            help = m["help"] if options.get("action") == "store_false" else f"{m['help']} {shown}"
+            metavar = _flags(f)[0].lstrip("-").replace("-", "_").upper()
+            if isinstance(f.default, tuple):
+                options = {"action": "append", "default": [], "metavar": metavar} | options
+            elif "action" not in options:
+                scalar = {"int": int, "float": float, "str": str}[f.type.split(" | ")[0]]  # the annotation's text
+                options = {"type": scalar, "default": f.default} | options
+                options |= {} if "choices" in options else {"metavar": metavar}
+            p.add_argument(*_flags(f), dest=f.name, help=help, **options)
+        add_image_options(p, fetch=True)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **given: Any) -> ServerConfig:
+        """The settings `add_flags` parsed (repeated values joined, comma lists split); `given` set the rest."""
+        values = {f.name: tuple(getattr(args, f.name)) if isinstance(f.default, tuple) else getattr(args, f.name)
+                  for f in fields(cls) if "help" in f.metadata}
+        values["allowed_hosts"] = _split(values["allowed_hosts"])
+        return cls(**values | {"images": limits_from_args(args, args.fetch_image_urls)} | given)
 
     @property
     def limits(self) -> Limits:
@@ -101,3 +153,21 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(name).is_loopback
     except ValueError:
         return False
+
+
+def _flags(f: Field) -> tuple[str, ...]:
+    flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+    return (flag,) if isinstance(flag, str) else flag
+
+
+def _check_setting(f: Field, value: Any) -> None:
+    """A setting within its declared range (None: unset, always allowed), or the ConfigError naming its flag."""
+    m, flag = f.metadata, _flags(f)[0] if "help" in f.metadata else ""
+    if value is None or not m:
+        return
+    if m["least"] is not None and value < m["least"]:
+        raise ConfigError(f"{flag} must be >= {m['least']}")
+    if m["above"] is not None and not value > m["above"]:
+        raise ConfigError(f"{flag} must be > {m['above']}")
+    if "choices" in m["argparse"] and value not in m["argparse"]["choices"]:
+        raise ConfigError(f"{flag} {value!r} must be one of {', '.join(m['argparse']['choices'])}")

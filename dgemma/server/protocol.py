@@ -10,9 +10,9 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr,
                       WrapValidator, field_validator)
 from pydantic_core import PydanticCustomError
 
+from dgemma.chat import tools as tool_calls
 from dgemma.sampling import Grammar, SamplingParamsError
 from dgemma.sampling.params import MAX_LOGPROBS
-from dgemma.server import tools as tool_calls
 from dgemma.server.formats import SEEDED, response_grammar, seeded_options
 
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
@@ -78,6 +78,20 @@ class DgemmaSampling(_Strict):
     entropy_bound: float | None = Field(None, description="entropy budget of the positions one step accepts")
     t_min: float | None = Field(None, description="temperature at the last step (instead of `temperature`)")
     t_max: float | None = Field(None, description="temperature at the first step (instead of `temperature`)")
+    early_commit: int | None = Field(None, description=(
+        "stream a canvas's left prefix once each of its positions kept its token for this many steps, before the "
+        "canvas ends (the text sent never changes); omitted: off"))
+    early_stop: float | None = Field(None, description=(
+        "end a canvas once its mean token entropy is below this, stable or not; omitted: off"))
+    target_canvas_ms: float | None = Field(None, description=(
+        "milliseconds per canvas: each canvas's step budget is what fits this at the server's measured step time "
+        "(at most max_denoising_steps); omitted: off"))
+    soft_top_k: int | None = Field(None, description=(
+        "opt-in saving (changes outputs): the self-conditioning signal over each position's k most likely tokens"))
+    skip_settled: int | None = Field(None, description=(
+        "opt-in saving (changes outputs): positions accepted and unchanged for this many steps skip the head"))
+    settled_kv_reuse: bool | None = Field(None, description=(
+        "opt-in saving (changes outputs), with skip_settled: settled positions skip the body too (keys reused)"))
 
     def overrides(self) -> dict[str, Any]:
         return {k: v for k, v in self.model_dump().items() if v is not None}
@@ -90,7 +104,7 @@ class OpenAIRequest(_Strict):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
 
     model: Text | None = Field(None, description="the served model's id (GET /v1/models); may be omitted")
-    max_tokens: int | None = Field(None, ge=1, description="exact cap on generated tokens per choice")
+    max_tokens: int | None = Field(None, description="exact cap on generated tokens per choice (>= 1)")
     n: int = Field(1, ge=1, description="choices per prompt; choice i uses seed + i")
     stop: Stop | None = Field(None, description="stop string(s); the text ends before the first one")
     stream: bool = False
@@ -115,8 +129,12 @@ class OpenAIRequest(_Strict):
         "with an empty delta and a `dgemma_draft` field that standard clients ignore: the canvas's `token_ids`, "
         "`text`, each position's own text (`tokens`) and whether the step accepted it (`accepted`)"))
     dgemma_sampling: DgemmaSampling | None = Field(None, description=(
-        "dgemma extension: denoising steps, entropy bound and the temperature schedule; omitted fields keep the "
-        "checkpoint's (GET /v1/models shows them)"))
+        "dgemma extension: denoising steps, entropy bound, the temperature schedule, early commit and early stop; "
+        "omitted fields keep the checkpoint's (GET /v1/models shows them)"))
+
+    def renamed(self) -> dict[str, str]:
+        """SamplingParams fields this request sets under another name (max_new_tokens: the one it sets now)."""
+        return {"max_new_tokens": "max_tokens"}
 
     def unsupported(self) -> tuple[str, str] | None:
         """The first field that asks for a feature this server does not have: (param, what)."""
@@ -140,8 +158,8 @@ class OpenAIRequest(_Strict):
         """Alternatives per token for `SamplingParams.logprobs`; None: no logprobs."""
         return None
 
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """Tools for a chat template that declares them (the checkpoint's own tool syntax)."""
+    def tool_use(self, tokenizer: Any = None) -> tool_calls.ToolUse | None:
+        """A chat's tools (chat/tools.py); None: not a chat."""
         return None
 
     def format_logprobs(self, entries: list, token_bytes: Any, offset: int) -> dict[str, Any]:
@@ -157,7 +175,7 @@ class OpenAIRequest(_Strict):
 class CompletionRequest(OpenAIRequest):
     prompt: Prompt = Field(description="text, several texts, token ids, or several token-id lists")
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, description=f"alternatives per token, 0 to {MAX_LOGPROBS}")
     best_of: int | None = Field(None, ge=1)
     suffix: Text | None = Field(None, description=(
         "infill: the text after the completion, held fixed in the canvas while the text between prompt and suffix "
@@ -258,9 +276,9 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens when both are set")
+    max_completion_tokens: int | None = Field(None, description="preferred over max_tokens when both are set")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, description=f"alternatives per token, 0 to {MAX_LOGPROBS}")
     tools: list[dict[str, Any]] | None = None
     tool_choice: Text | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = Field(None, description="several calls in one reply (default true)")
@@ -279,6 +297,10 @@ class ChatCompletionRequest(OpenAIRequest):
     def unsupported(self) -> tuple[str, str] | None:
         return self._unsupported_extras() or super().unsupported()
 
+    def renamed(self) -> dict[str, str]:
+        tokens = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+        return {"max_new_tokens": tokens} | ({"logprobs": "top_logprobs"} if self.top_logprobs is not None else {})
+
     def tool_use(self, tokenizer: Any = None) -> tool_calls.ToolUse:
         """The request's tool calls, checked on the first call (SamplingParamsError naming the field);
         `tokenizer` picks the checkpoint's own call syntax when its template has one."""
@@ -286,9 +308,6 @@ class ChatCompletionRequest(OpenAIRequest):
             self._tool_use = tool_calls.ToolUse.of(self.tools or [], self.tool_choice, self.parallel_tool_calls,
                                                    self.response_format, self.logprobs, tokenizer)
         return self._tool_use
-
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        return self.tool_use().declared
 
     def logprob_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -318,15 +337,13 @@ class ChatCompletionRequest(OpenAIRequest):
         }
         return next(((name, name.replace("_", " ")) for name, asked in asks.items() if asked), None)
 
-    def chat(self) -> list[dict[str, str]]:
-        """Messages for the chat template ("developer" is the newer name of "system"); with tools: ToolUse.messages."""
-        plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.template_content(),
-                  "tool_calls": [c.model_dump() for c in m.tool_calls or ()] or None, "tool_call_id": m.tool_call_id}
-                 for m in self.messages]
-        return self.tool_use().messages(plain)
+    def chat(self) -> list[dict[str, Any]]:
+        """The messages as `Model.encode_prompt` takes them (rendered there by `tool_use()`)."""
+        return [{"role": m.role, "content": m.template_content(), "tool_calls": [c.model_dump() for c in
+                 m.tool_calls or ()] or None, "tool_call_id": m.tool_call_id} for m in self.messages]
 
 
-# ---- responses (documentation and tests; the routes build plain dicts) ---------------------------------------
+# ---- responses (documentation and tests; the routes build them with Shapes) --------------------------------------
 FinishReason = Literal["stop", "length", "tool_calls"]
 
 
@@ -414,32 +431,43 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
-# ---- stream chunks -----------------------------------------------------------------------------------------
-class Chunks:
-    """Builds the chunks of one streamed response: one id and `created` for all of them."""
+# ---- builders ----------------------------------------------------------------------------------------------
+class Shapes:
+    """Builds one response's objects, whole (`response`, `answer`) or streamed (`choice`, `usage`): one id,
+    `created` and model for all of them, and one choice shape for both (the models above document them)."""
 
-    def __init__(self, chat: bool, id: str, created: int, model: str, include_usage: bool):
+    def __init__(self, chat: bool, id: str, created: int, model: str, include_usage: bool = False):
         self.chat, self.include_usage = chat, include_usage
-        self.head = {"id": id, "object": "chat.completion.chunk" if chat else "text_completion",
-                     "created": created, "model": model}
+        self.id, self.created, self.model = id, created, model
+
+    def response(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+        return self._head("chat.completion" if self.chat else "text_completion", choices) | {"usage": usage}
+
+    def answer(self, index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None,
+               message: dict[str, Any] | None = None, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A choice: a completion's `text`, or chat's `message` (a whole response) or `delta` (a chunk)."""
+        body = {"delta": delta} if delta is not None else {"message": message} if self.chat else {"text": text}
+        return {"index": index} | body | {"logprobs": logprobs, "finish_reason": finish_reason}
 
     def choice(self, index: int, text: str | None = None, finish_reason: str | None = None, role: bool = False,
-               call: tuple[int, dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
-        """`call`: (its index in the reply, an OpenAI tool call), sent whole as one delta."""
+               call: tuple[int, dict[str, Any]] | None = None, logprobs: dict[str, Any] | None = None,
+               **extra: Any) -> dict[str, Any]:
+        """A chunk of one choice. `call`: (its index in the reply, an OpenAI tool call), sent whole as one delta."""
+        delta = None
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
             if call is not None:
                 delta = {"tool_calls": [{"index": call[0]} | call[1]]}
-            item = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        else:
-            item = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return self._chunk([item | extra])
+        return self._chunk([self.answer(index, text or "", logprobs, finish_reason, delta=delta) | extra])
 
     def usage(self, usage: dict[str, int]) -> dict[str, Any]:
-        return self.head | {"choices": [], "usage": usage}
+        return self._chunk([]) | {"usage": usage}
+
+    def _head(self, object: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices}
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        chunk = self.head | {"choices": choices}
+        chunk = self._head("chat.completion.chunk" if self.chat else "text_completion", choices)
         if self.include_usage:
             chunk["usage"] = None
         return chunk

@@ -1,13 +1,14 @@
 """Between the routes and the engine thread: readiness, admission, OpenAI options -> per-choice SamplingParams
 (validated by SamplingParams, whose errors become 400s naming the OpenAI field), and `Generation`, which turns
-one request's engine events into text deltas, drafts and finish reasons (through `OutputStream`, as the Python
-API does) and records its latencies."""
+one request's engine events into text deltas, drafts, tool calls, finish reasons and Results (through
+`OutputStream`, as the Python API does) and records its latencies."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dgemma.api import Model
-from dgemma.engine import Event, OutputStream, PrefixCache, StreamEvent
+from dgemma.chat.tools import ToolUse
+from dgemma.engine import Event, OutputStream, PrefixCache, Result, StreamEvent
 from dgemma.errors import DgemmaError
 from dgemma.sampling import MAX_SEED, SamplingParams, SamplingParamsError
 from dgemma.server.config import ServerConfig
@@ -44,21 +46,6 @@ class Plan:
 
     ids: list[int]
     params: SamplingParams
-
-
-@dataclass
-class Output:
-    """What a route turns into a chunk: "start" (the choice entered the batch; no chunk), "text" (a committed
-    delta), "draft", "finish", or "error"."""
-
-    kind: str
-    index: int
-    text: str = ""
-    finish_reason: str | None = None
-    draft: dict[str, Any] | None = None
-    error: ApiError | None = None
-    logprobs: list | None = None  # "text": entries of the committed ids (sampling/logprobs.py), when asked
-    token_ids: list[int] | None = None  # "finish": the choice's kept ids (to read tool calls from)
 
 
 class Service:
@@ -145,10 +132,9 @@ class Service:
         self.check_model(body.model)
         if (feature := body.unsupported()) is not None:
             raise unsupported(*feature)
-        if body.stream_options is not None and not body.stream:
-            raise bad_request("stream_options needs stream=true", "stream_options")
-        if body.dgemma_drafts and not body.stream:
-            raise bad_request("dgemma_drafts needs stream=true", "dgemma_drafts")
+        for name in ("stream_options", "dgemma_drafts"):
+            if getattr(body, name) and not body.stream:
+                raise bad_request(f"{name} needs stream=true", name)
         if self.config.mode == "autoregressive" and (feature := _diffusion_only(body)) is not None:
             raise unsupported(feature, f"{feature} in autoregressive mode (--mode autoregressive)")
         if body.temperature is not None and {"t_min", "t_max"} & _overrides(body).keys():
@@ -163,7 +149,7 @@ class Service:
             plans, prompt_tokens = await self._within(_earliest(body.dgemma_timeout, self.config.request_timeout),
                                                       t_arrival, self._plan(body, prompts, param, key))
             return Generation(self, f"{id_prefix}-{uuid.uuid4().hex}", plans, prompt_tokens, body.dgemma_drafts,
-                              lease, t_arrival, body.dgemma_timeout)
+                              lease, t_arrival, body.dgemma_timeout, body.tool_use())
         except BaseException:
             lease.release()
             raise
@@ -204,19 +190,18 @@ class Service:
                     key: int | None) -> tuple[list[Plan], int]:
         """One Plan per choice; every check is SamplingParams' (through `Model.check_request`)."""
         plans, prompt_tokens = [], 0
-        tokens_param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
-        names = {"prompt": param, "max_new_tokens": tokens_param, "t_max": "temperature",
-                 "ar_temperature": "temperature"}
+        renamed = body.renamed()
+        names = {"prompt": param, "t_max": "temperature", "ar_temperature": "temperature"} | renamed
         names |= {k: f"dgemma_sampling.{k}" for k in _overrides(body)} | SEEDED_PARAMS
         limit = self.model.prompt_limit(self.config.limits)
         for prompt in prompts:
             try:
                 # the loop never tokenizes (nor compiles a grammar, nor builds a seeded layout)
-                ids = await self._off_loop(self.model.encode_prompt, prompt, limit, body.template_tools())
+                ids = await self._off_loop(self.model.encode_prompt, prompt, limit, body.tool_use())
                 params = await self._off_loop(self._choice_params, body, ids, _partition(key, body.cache_salt))
                 plans += [Plan(ids, p) for p in params]
-            except SamplingParamsError as e:  # max_new_tokens is named as the client named it
-                message = str(e).replace("max_new_tokens", tokens_param)
+            except SamplingParamsError as e:  # a field is named as the client named it
+                message = re.sub(rf"\b{e.param}\b", renamed[e.param], str(e)) if e.param in renamed else str(e)
                 raise bad_request(message, names.get(e.param, e.param)) from None
             except DgemmaError as e:
                 raise bad_request(str(e), param) from None
@@ -227,14 +212,14 @@ class Service:
         """The n choices of a prompt: choice i has seed + i. The starting canvas and the renoising are random
         even when sampling is near-greedy, so temperature 0 without a seed uses seed 0 (reproducible)."""
         model = self.model
-        requested = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        new = getattr(body, body.renamed()["max_new_tokens"])
         room = max(1, model.max_context - len(ids))
-        new = requested or min(model.defaults.max_new_tokens, room, self.config.max_tokens or room)
+        new = min(model.defaults.max_new_tokens, room, self.config.max_tokens or room) if new is None else new
         greedy = body.temperature is not None and body.temperature < GREEDY_T
         base = 0 if body.seed is None and greedy else body.seed
         sampling = schedule(body.temperature) if self.config.mode == "diffusion" else \
             {"ar_temperature": body.temperature} if body.temperature is not None else {}
-        first = model.params(max_new_tokens=new, seed=base, stop=_stops(body.stop), grammar=body.grammar(),
+        first = model.params(max_new_tokens=new, seed=base, stop=body.stop, grammar=body.grammar(),
                              logprobs=body.logprob_count(), **sampling, **_overrides(body), cache_salt=partition,
                              layout_limit=min(room, self.config.max_tokens or room), **body.seeded())
         model.check_request(ids, first, self.config.limits, self.config.mode)
@@ -279,10 +264,6 @@ def _earliest(*timeouts: float | None) -> float | None:
     return min((t for t in timeouts if t is not None), default=None)
 
 
-def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
-    return (stop,) if isinstance(stop, str) else tuple(stop or ())
-
-
 class Lease:
     """Admitted capacity of one request, given back exactly once."""
 
@@ -299,21 +280,19 @@ class _Choice:
     index: int
     request_id: str
     output: OutputStream
+    logprobs: bool
     first_tokens: int = 0  # tokens of the first committed canvas
     t_first: float | None = None
     tokens: int = 0
 
-    @property
-    def finish_reason(self) -> str | None:
-        return self.output.finish_reason
-
 
 class Generation:
-    """One HTTP request's choices in the engine: engine events in, `Output`s out. `close()` aborts what is left
-    and gives back the admission lease (idempotent; routes call it when the response ends for any reason)."""
+    """One HTTP request's choices in the engine: engine events in, (choice index, StreamEvent) out, as the Python
+    API's `stream` gives them. `close()` aborts what is left and gives back the admission lease (idempotent; routes
+    call it when the response ends for any reason)."""
 
     def __init__(self, service: Service, id: str, plans: list[Plan], prompt_tokens: int, drafts: bool,
-                 lease: Lease, t_arrival: float, timeout: float | None = None):
+                 lease: Lease, t_arrival: float, timeout: float | None = None, tools: ToolUse | None = None):
         self.service, self.id, self.lease = service, id, lease
         self.prompt_tokens = prompt_tokens
         self.created = int(time.time())
@@ -321,6 +300,7 @@ class Generation:
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         sink = Sink(asyncio.get_running_loop(), self.queue)
         self.choices: dict[str, _Choice] = {}
+        self.errors: dict[int, ApiError] = {}  # why a choice failed (its "done" event has no result)
         self._feeding = threading.Lock()  # one event at a time into the choices' OutputStreams
         self.timeout = _earliest(timeout, service.config.request_timeout)
         deadlines = [t_arrival + t if t is not None else None for t in (service.config.max_queue_seconds,
@@ -328,7 +308,8 @@ class Generation:
         jobs = []
         for i, plan in enumerate(plans):
             rid = f"{id}-{i}"
-            self.choices[rid] = _Choice(i, rid, OutputStream(service.model.tokenizer, plan.params.stop))
+            output = OutputStream(service.model.tokenizer, plan.params.stop, tools)
+            self.choices[rid] = _Choice(i, rid, output, plan.params.logprobs is not None)
             jobs.append(Job(rid, plan.ids, plan.params, drafts, sink, self.t_arrival, *deadlines))
         service.metrics.admitted(sum(len(p.ids) for p in plans))
         service.worker.submit(jobs)
@@ -342,44 +323,37 @@ class Generation:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion}
 
-    async def outputs(self) -> AsyncIterator[Output]:
-        open_choices = sum(c.finish_reason is None for c in self.choices.values())
+    async def events(self) -> AsyncIterator[tuple[int, StreamEvent]]:
+        """Each choice's StreamEvents, and "start" when it enters the batch. A "done" event carries the choice's
+        Result when it ended normally; else `errors[index]` says why not."""
+        open_choices = sum(c.output.finish_reason is None for c in self.choices.values())
         while open_choices:
             event = await self.queue.get()
             choice = self.choices.get(event.request_id)
-            if choice is None or choice.finish_reason is not None:
+            if choice is None or choice.output.finish_reason is not None:
                 continue
             if event.kind == "start":
-                yield Output("start", choice.index)
+                yield choice.index, StreamEvent("start")
                 continue
             # committed text and finishes are detokenized (and a stop's kept ids found) off the event loop
-            outs = self._on_event(choice, event) if event.kind == "draft" else \
+            items = self._on_event(choice, event) if event.kind == "draft" else \
                 await asyncio.to_thread(self._on_event, choice, event)
-            for out in outs:
-                open_choices -= out.kind in ("finish", "error")
-                yield out
+            for item in items:
+                open_choices -= item.kind == "done"
+                yield choice.index, item
 
-    async def collect(self) -> list[tuple[str, str, list | None, list[int]]]:
-        """Non-streaming: (text, finish_reason, logprob entries or None, kept ids) per choice, in order; raises
-        the first error."""
-        texts: list[list[str]] = [[] for _ in range(self.n)]
-        reasons: list[str] = [""] * self.n
-        entries: list[list | None] = [None] * self.n
-        ids: list[list[int]] = [[] for _ in range(self.n)]
-        async for out in self.outputs():
-            if out.kind == "error":
-                raise out.error
-            if out.kind == "text":
-                texts[out.index].append(out.text)
-                if out.logprobs is not None:
-                    entries[out.index] = (entries[out.index] or []) + out.logprobs
-            elif out.kind == "finish":
-                reasons[out.index], ids[out.index] = out.finish_reason, out.token_ids
-        return [("".join(t), r, e, i) for t, r, e, i in zip(texts, reasons, entries, ids)]
+    async def collect(self) -> list[Result]:
+        """Non-streaming: each choice's Result, in order; raises the first error."""
+        results: list[Result] = [None] * self.n
+        async for index, item in self.events():
+            if item.kind == "done" and item.result is None:
+                raise self.errors[index]
+            results[index] = item.result
+        return results
 
     def close(self) -> None:
         with self._feeding:  # a choice's event may still be in a worker thread
-            unfinished = [c for c in self.choices.values() if c.finish_reason is None]
+            unfinished = [c for c in self.choices.values() if c.output.finish_reason is None]
             for c in unfinished:
                 c.output.feed(Event(c.request_id, "finish", finish_reason="abort"))
                 self._record(c)
@@ -387,26 +361,23 @@ class Generation:
             self.service.worker.abort([c.request_id for c in unfinished])
         self.lease.release()
 
-    # ---- events -> outputs ------------------------------------------------------------------------------------
-    def _on_event(self, c: _Choice, event: Event) -> list[Output]:
+    # ---- engine events -> StreamEvents ------------------------------------------------------------------------
+    def _on_event(self, c: _Choice, event: Event) -> list[StreamEvent]:
         with self._feeding:
-            return [out for item in c.output.feed(event) if (out := self._output(c, item)) is not None]
-
-    def _output(self, c: _Choice, item: StreamEvent) -> Output | None:
-        if item.kind == "draft":
-            draft = {"canvas": item.canvas, "step": item.step, "text": item.text, "token_ids": item.token_ids,
-                     "tokens": item.pieces, "accepted": item.accepted}
-            return Output("draft", c.index, draft=draft)
-        if item.kind == "text":
-            if c.t_first is None and item.token_ids:
-                c.t_first, c.first_tokens = time.perf_counter(), len(item.token_ids)
-            return Output("text", c.index, item.text, logprobs=item.logprobs) if item.text or item.logprobs else None
-        if c.output.stopped and c.finish_reason == "stop":
-            self.service.worker.abort([c.request_id])  # harmless when the engine already finished it
-        self._record(c)
-        if item.finish_reason in ("stop", "length"):
-            return Output("finish", c.index, finish_reason=item.finish_reason, token_ids=c.output.kept_ids())
-        return Output("error", c.index, error=self._error(item.finish_reason, c.tokens))
+            items = c.output.feed(event)
+            for item in items:
+                if item.kind == "text" and c.t_first is None and item.token_ids:
+                    c.t_first, c.first_tokens = time.perf_counter(), len(item.token_ids)
+                if item.kind != "done":
+                    continue
+                if c.output.stopped:
+                    self.service.worker.abort([c.request_id])  # harmless when the engine already finished it
+                self._record(c)
+                if item.finish_reason in ("stop", "length", "tool_calls"):
+                    item.result = c.output.result(0, c.logprobs)
+                else:
+                    self.errors[c.index] = self._error(item.finish_reason, c.tokens)
+            return items
 
     def _error(self, reason: str, tokens: int) -> ApiError:
         if reason == "abort":
@@ -425,4 +396,4 @@ class Generation:
         ttft = None if c.t_first is None else c.t_first - self.t_arrival
         later = c.tokens - c.first_tokens
         tpot = (now - c.t_first) / later if c.t_first is not None and later > 0 else None
-        self.service.metrics.choice_finished(c.finish_reason, now - self.t_arrival, ttft, tpot, c.tokens)
+        self.service.metrics.choice_finished(c.output.finish_reason, now - self.t_arrival, ttft, tpot, c.tokens)

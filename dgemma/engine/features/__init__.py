@@ -3,10 +3,15 @@ feature is one module here and one entry below; the order is the order the hooks
 
 from dgemma.engine.features.base import Feature, Step
 from dgemma.engine.features.drafts import Drafts
+from dgemma.engine.features.early_commit import EarlyCommit
+from dgemma.engine.features.early_stop import EarlyStop
 from dgemma.engine.features.grammar import Grammar
 from dgemma.engine.features.infill import Infill
+from dgemma.engine.features.latency import LatencyTarget
 from dgemma.engine.features.logprobs import Logprobs
+from dgemma.engine.features.settled import Settled
 
-FEATURES: tuple[Feature, ...] = (Infill(), Grammar(), Logprobs(), Drafts())
+FEATURES: tuple[Feature, ...] = (LatencyTarget(), EarlyStop(), Infill(), Grammar(), EarlyCommit(), Logprobs(),
+                                  Drafts(), Settled())
 
 __all__ = ["FEATURES", "Feature", "Step"]

@@ -27,6 +27,7 @@ class Step:
     inv_temp: Tensor  # [B] this step's 1 / temperature per row
     out: StepOutput  # the fused step's output (features may rewrite it in `step`)
     events: list[Event]
+    step_seconds: float | None = None  # the engine's measured wall time of a step so far (None: none measured)
 
     def ending(self) -> list[bool]:
         """Rows whose canvas ends at this step: done, or out of denoising steps."""

@@ -7,18 +7,13 @@ from torch import Tensor
 
 from dgemma.engine.features.base import Feature, Step
 from dgemma.engine.request import Request
-from dgemma.sampling import SamplingParamsError
 from dgemma.sampling.constrained import complete_rows, constrain_step, start_canvas
 
 
 class Grammar(Feature):
     def attach(self, req: Request, runner) -> None:
-        grammar = req.params.grammar
-        if grammar is not None:
-            if not runner.constrains or runner.grammar_vocab is None:
-                raise SamplingParamsError("constrained output needs a tokenizer and fast diffusion or "
-                                          "autoregressive decoding", grammar.param)
-            req.grammar = runner.grammar_vocab().matcher(grammar, req.eos)
+        if req.params.grammar is not None:  # what it needs: SamplingParams.check_decoding
+            req.grammar = runner.grammar_vocab().matcher(req.params.grammar, req.eos)
 
     def start(self, rows: list[Request], tokens: Tensor) -> None:
         start_canvas([r.grammar for r in rows], [r.budget for r in rows], tokens.shape[1])

@@ -7,18 +7,13 @@ from torch import Tensor
 
 from dgemma.engine.features.base import Feature, Step
 from dgemma.engine.request import Request
-from dgemma.sampling import SamplingParamsError
 from dgemma.sampling.seeded import SeedState, seed_canvas, seed_step
 
 
 class Infill(Feature):
     def attach(self, req: Request, runner) -> None:
-        layout = req.params.seeded
-        if layout is not None:
-            if not runner.seeds or not req.eos:
-                raise SamplingParamsError("a suffix, template or edit needs fast diffusion decoding and an "
-                                          "end-of-sequence token", layout.param)
-            req.seeded = SeedState(layout, req.eos)
+        if req.params.seeded is not None:  # what it needs: SamplingParams.check_decoding
+            req.seeded = SeedState(req.params.seeded, req.eos)
 
     def start(self, rows: list[Request], tokens: Tensor) -> None:
         seed_canvas([r.seeded for r in rows], tokens)

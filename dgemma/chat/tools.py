@@ -1,7 +1,7 @@
-"""Tool calls on /v1/chat/completions. `ToolUse` holds one request's choices (mode, callable tools, parallel calls)
-and the syntax: the checkpoint's own (Gemma 4's tool-call tokens, `gemma_tools.py`) when its chat template declares
-tools, else the documented text format here: the tools are described in a system block, the reply is held to a
-grammar built from their parameter schemas (one compact JSON call per line), and the calls in the output become
+"""Tool calls in a chat (Python API and server). `ToolUse` holds one request's choices (mode, callable tools,
+parallel calls) and the syntax: the checkpoint's own (Gemma 4's tool-call tokens, `gemma.py`) when its chat template
+declares tools, else the documented text format here: the tools are described in a system block, the reply is held
+to a grammar built from their parameter schemas (one compact JSON call per line), and the calls in the output become
 OpenAI `tool_calls`; earlier calls and `role: "tool"` results are rendered back into the prompt as text."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from dgemma.chat.gemma import GemmaSyntax, template_messages
 from dgemma.sampling import Grammar, SamplingParamsError
 from dgemma.sampling.constraints import JSON_OPTIONS
-from dgemma.server.gemma_tools import GemmaSyntax, template_messages
 
 PREAMBLE = ("You can call these functions. To call one, reply with only a JSON object "
             '{"name": <function name>, "arguments": <its arguments as a JSON object>} and nothing else.')
@@ -54,13 +54,15 @@ class ToolUse:
     syntax: GemmaSyntax | None = None
 
     @classmethod
-    def of(cls, tools: list[dict[str, Any]], choice: str | dict[str, Any] | None, parallel: bool | None,
-           response_format: dict[str, Any] | None, logprobs: bool, tokenizer: Any = None) -> ToolUse:
-        """The request's fields checked (SamplingParamsError naming the field); `tokenizer` picks the syntax."""
-        kind, callable_tools = choose(check_tools(tools), choice)
-        if kind != "none" and response_format not in (None, {"type": "text"}):
-            raise SamplingParamsError('response_format and tools both constrain the reply; send one (or '
-                                      'tool_choice "none")', "response_format")
+    def of(cls, tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None, parallel: bool | None,
+           constraint: Any, logprobs: bool, tokenizer: Any = None, constraint_param: str = "response_format"
+           ) -> ToolUse:
+        """The request's fields checked (SamplingParamsError naming the field); `tokenizer` picks the syntax.
+        `constraint`: the request's other constraint on the reply (`constraint_param`: response_format, grammar)."""
+        kind, callable_tools = choose(check_tools(tools or []), choice)
+        if kind != "none" and constraint not in (None, {"type": "text"}):
+            raise SamplingParamsError(f'{constraint_param} and tools both constrain the reply; send one (or '
+                                      'tool_choice "none")', constraint_param)
         if kind != "none" and logprobs:
             raise SamplingParamsError("logprobs are not supported with tools", "logprobs")
         syntax = GemmaSyntax.of(tokenizer)  # also for "none": earlier calls and results keep the native form
@@ -76,10 +78,12 @@ class ToolUse:
         return grammar(self.mode, self.tools, self.parallel)
 
     def messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Chat messages ({role, content, tool_calls, tool_call_id}) for the chat template."""
+        """Chat messages ({role, content, tool_calls, tool_call_id}; "developer" is the newer name of "system")
+        for the chat template."""
+        plain = [plain_message(m, i) for i, m in enumerate(messages)]
         if self.syntax is not None:
-            return template_messages(messages)
-        return render(messages, self.mode, self.tools, self.parallel)
+            return template_messages(plain)
+        return render(plain, self.mode, self.tools, self.parallel)
 
     def reply(self, text: str, ids: list[int], reason: str, decode: Any) -> tuple[dict[str, Any], str]:
         """A finished choice's assistant message and finish reason: a reply of whole calls becomes `tool_calls`
@@ -87,10 +91,26 @@ class ToolUse:
         calls, whole = None, reason == "stop"
         if self.mode != "none" and reason in ("stop", "length"):
             calls = self.syntax.parse(ids, decode, whole) if self.syntax else parse_calls(text, self.tools, whole)
-        if not calls:
-            return {"role": "assistant", "content": text}, reason
-        return {"role": "assistant", "content": None, "tool_calls": [openai_call(n, a) for n, a in calls]}, \
-            "tool_calls" if whole else reason
+        calls = [openai_call(n, a) for n, a in calls or ()]
+        return assistant_message(text, calls), "tool_calls" if calls and whole else reason
+
+
+def assistant_message(text: str | None, calls: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """A reply as an OpenAI assistant message: its calls (content null), or its text."""
+    return {"role": "assistant", "content": None, "tool_calls": calls} if calls else {"role": "assistant",
+                                                                                    "content": text}
+
+
+def plain_message(m: Any, i: int) -> dict[str, Any]:
+    """A chat message with every field `messages` reads (absent ones None), checked."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise SamplingParamsError(f"messages[{i}] must be an object with a role", "messages")
+    out = m | {"role": "system" if m["role"] == "developer" else m["role"], "content": m.get("content"),
+               "tool_calls": m.get("tool_calls") or None, "tool_call_id": m.get("tool_call_id")}
+    for field in ("content", "tool_call_id"):
+        if out[field] is None and (why := missing(field, out)):
+            raise SamplingParamsError(f"messages[{i}]: {why}", "messages")
+    return out
 
 
 def missing(field: str, message: dict[str, Any]) -> str | None:
@@ -152,10 +172,6 @@ def render_call(call: dict[str, Any]) -> str:
     return json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False, separators=(",", ":"))
 
 
-def render_result(name: str | None, call_id: str, content: str) -> str:
-    return f"Result of function {name or '?'} (call {call_id}):\n{content}"
-
-
 def parse_calls(text: str, tools: list[dict[str, Any]], whole: bool = True) -> list[tuple[str, Any]] | None:
     """[(name, arguments)] of a reply made of JSON calls, one per line, or None when the reply is text.
     `whole=False` (a reply cut by max_tokens): the complete calls before the cut."""
@@ -186,7 +202,8 @@ def render(messages: list[dict[str, Any]], mode: str, tools: list[dict[str, Any]
     for m in messages:
         text, call_id = m["content"], m["tool_call_id"]
         if m["role"] == "tool":
-            out.append({"role": "user", "content": render_result(names.get(call_id), call_id or "?", text)})
+            name = names.get(call_id) or "?"
+            out.append({"role": "user", "content": f"Result of function {name} (call {call_id or '?'}):\n{text}"})
             continue
         if m["tool_calls"]:
             text = "\n".join([text] * bool(text) + [render_call(c) for c in m["tool_calls"]])

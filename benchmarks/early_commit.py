@@ -1,0 +1,124 @@
+"""Time to the first committed token through the server's stream, with early commit against the defaults: starts
+`dgemma serve` on a checkpoint (default: the bundled demo model), streams the same chats (same seeds) under each
+variant, round-robin per chat so a shared machine's load falls on all alike, and reports per variant the median
+time from sending the request to the first content chunk, to the role chunk (sent once the request's first step
+ran: prefill and the server's own overhead) and from that chunk to the first content, the whole answer's time,
+tokens/s, and how many answers equal the defaults' text (the option changes outputs; the harness,
+benchmarks/quality/evaluate.py, gives its accuracy).
+
+    python benchmarks/early_commit.py [--model DIR] [--chats 8] [--max-tokens 64] [--early-commit 1,2,3]
+
+Last stdout line: JSON {variants: {name: {ttft_seconds_median, start_seconds_median, ttft_after_start_median,
+seconds_median, tokens_per_second, same_text_as_defaults, ttft_ratio, ttft_after_start_ratio,
+ttft_ratio_paired_median}}, settings, machine}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from dgemma.api import DEMO_MODEL  # noqa: E402
+from dgemma.bench.flops import cpu_name, load_average  # noqa: E402
+
+QUESTIONS = ["The capital of France is", "Write a short poem about the sea.", "List three prime numbers.",
+             "What is two plus two?", "Describe a cat in one sentence.", "Say hello in French.",
+             "Name a color of the sky.", "Count from one to five."]
+
+
+def serve(model: str, threads: int | None) -> tuple[subprocess.Popen, str]:
+    """`dgemma serve` on a free loopback port; returns the process and its base URL once healthy."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "dgemma", "serve", "--model", model, "--port", str(port), "--no-access-log",
+           "--log-level", "warning"] + (["--threads", str(threads)] if threads else [])
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc, url = subprocess.Popen(cmd, env=env), f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.terminate()
+    raise SystemExit("the server did not become ready")
+
+
+def stream_chat(client: httpx.Client, question: str, seed: int, max_tokens: int, sampling: dict) -> dict:
+    """One streamed chat: seconds to the first content chunk and to the end, and the text."""
+    body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "seed": seed,
+            "stream": True, "stream_options": {"include_usage": True}, "dgemma_sampling": sampling}
+    t0, ttft, started, text, tokens = time.perf_counter(), None, None, "", 0
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            started = started if started is not None else time.perf_counter() - t0  # the role chunk: in the batch
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk["choices"]:
+                if content := choice["delta"].get("content"):
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    text += content
+    return {"ttft": ttft, "started": started, "seconds": time.perf_counter() - t0, "text": text, "tokens": tokens}
+
+
+def summarise(rows: list[dict], base: list[dict]) -> dict:
+    seconds = sum(r["seconds"] for r in rows)
+    return {"ttft_seconds_median": statistics.median(r["ttft"] for r in rows if r["ttft"] is not None),
+            "start_seconds_median": statistics.median(r["started"] for r in rows),
+            "ttft_after_start_median": statistics.median(r["ttft"] - r["started"] for r in rows if r["ttft"]),
+            "seconds_median": statistics.median(r["seconds"] for r in rows),
+            "tokens_per_second": sum(r["tokens"] for r in rows) / seconds,
+            "same_text_as_defaults": sum(r["text"] == b["text"] for r, b in zip(rows, base)) / len(rows)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(DEMO_MODEL))
+    p.add_argument("--chats", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--early-commit", default="1,2,3", help="values of early_commit to compare with the defaults")
+    p.add_argument("--threads", type=int, help="the server's torch threads")
+    args = p.parse_args()
+    variants = {"defaults": {}} | {f"early_commit_{n}": {"early_commit": int(n)} for n in args.early_commit.split(",")}
+    proc, url = serve(args.model, args.threads)
+    try:
+        with httpx.Client(base_url=url, timeout=600) as client:
+            for sampling in variants.values():  # warm-up
+                stream_chat(client, QUESTIONS[0], 0, args.max_tokens, sampling)
+            rows: dict[str, list] = {name: [] for name in variants}
+            for i in range(args.chats):
+                for name, sampling in variants.items():
+                    rows[name].append(stream_chat(client, QUESTIONS[i % len(QUESTIONS)], i, args.max_tokens, sampling))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    out = {name: summarise(r, rows["defaults"]) for name, r in rows.items()}
+    for name, r in rows.items():  # chat by chat (same prompt and seed), less exposed to the machine's load
+        out[name]["ttft_ratio_paired_median"] = statistics.median(
+            a["ttft"] / b["ttft"] for a, b in zip(r, rows["defaults"]) if a["ttft"] and b["ttft"])
+    for v in out.values():
+        v["ttft_ratio"] = v["ttft_seconds_median"] / out["defaults"]["ttft_seconds_median"]
+        v["ttft_after_start_ratio"] = v["ttft_after_start_median"] / out["defaults"]["ttft_after_start_median"]
+        print(f"{v['ttft_ratio']:.3f} x ttft  " + json.dumps(v), file=sys.stderr)
+    print(json.dumps({"variants": out, "settings": vars(args),
+                      "machine": {"cpu": cpu_name(), "load_average": load_average()}}))
+
+
+if __name__ == "__main__":
+    main()

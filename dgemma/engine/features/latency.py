@@ -1,0 +1,40 @@
+"""Latency target: once the engine has measured its step time (`Step.step_seconds`), each canvas of a request
+with `target_canvas_ms` gets the step budget that fits it (`max_denoising_steps`, capped by the request's own)
+and the temperature schedule of that budget (`Canvas.reschedule`), after its first step; every schedule starts at
+t_max, so that first step is the same either way. The rule: sampling/latency.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from dgemma.engine.features.base import Feature, Step
+from dgemma.engine.request import Request
+from dgemma.sampling.latency import step_budget
+
+
+@dataclass
+class Budget:
+    cap: int  # the request's own max_denoising_steps
+    chosen: bool = False  # this canvas's budget is chosen
+
+
+class LatencyTarget(Feature):
+    def attach(self, req: Request, runner) -> None:
+        if req.params.target_canvas_ms is not None:  # what it needs: SamplingParams.check_decoding
+            req.latency = Budget(req.params.max_denoising_steps)
+
+    def start(self, rows: list[Request], tokens: Tensor) -> None:
+        for r in rows:
+            if r.latency is not None:
+                r.latency.chosen = False
+
+    def settle(self, s: Step) -> None:
+        if s.step_seconds is None:
+            return
+        for i, r in enumerate(s.rows):
+            if r.latency is not None and not r.latency.chosen and not r.finished and not s.canvas.done[i]:
+                steps = step_budget(r.params.target_canvas_ms, s.step_seconds, r.latency.cap)
+                r.params, r.latency.chosen = r.params.replace(max_denoising_steps=steps), True
+                s.canvas.reschedule(i, r.params)

@@ -1,0 +1,97 @@
+"""Settled positions (`SamplingParams.skip_settled` = N): which positions of a row's canvas a step leaves out; and
+the count of the work the opt-in savings (settled positions, `soft_top_k`) spare, for bench/flops.py.
+
+A position is settled once, for N consecutive denoising steps of its canvas, the step accepted it, its sample
+equals the token it was given (the canvas did not change there) and its argmax equals the previous step's; the
+first step of a canvas never counts (there is no previous step). A settled position stays settled until its
+canvas ends: later steps leave it out of the head and soft-embedding work and reuse its previous argmax, token and
+self-conditioning signal (`sampling/fused.py`, `Reuse`); it is accepted, so it counts on as settled. Its entropy
+counts as 0 (certain) in the acceptance and the stopping rule: its last computed one was taken at an earlier,
+higher temperature, and kept, it would hold the canvas's mean entropy above the confidence threshold forever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dgemma.engine.batch import Canvas
+from dgemma.engine.features.base import Feature, Step
+from dgemma.engine.request import Request
+from dgemma.model import DiffusionGemma
+from dgemma.sampling.fused import Reuse
+
+
+@dataclass
+class SettledState:
+    run: Tensor  # [C] long: consecutive steps each position met the rule
+
+    def skip(self, n: int) -> Tensor:
+        return self.run >= n
+
+
+def reuse(rows: list[Request], cv: Canvas) -> Reuse | None:
+    """What this step leaves out of the batch's canvas, or None when no row has a settled position."""
+    states = [r.settled for r in rows]
+    if all(st is None for st in states):
+        return None
+    c, device = cv.tokens.shape[1], cv.tokens.device
+    skip = torch.stack([torch.zeros(c, dtype=torch.bool, device=device) if st is None or cv.done[i]
+                        else st.skip(r.params.skip_settled) for i, (r, st) in enumerate(zip(rows, states))])
+    if not bool(skip.any()):
+        return None
+    return Reuse(skip, cv.argmax, cv.tokens, cv.signal)
+
+
+def denoise(model: DiffusionGemma, rows: list[Request], cv: Canvas, caches: list, reuse: Reuse | None) -> Tensor:
+    """The decoder pass [B, C, H]. When every row asks `settled_kv_reuse` and has settled positions, the body runs
+    on the positions that are not settled only (each row's, padded with settled ones to the batch's widest), their
+    keys and values those of the last pass (`DiffusionGemma.denoise(keep=...)`); the left-out rows stay zero
+    (the fused step does not read them)."""
+    keep = _body_rows(rows, reuse)
+    if keep is None:
+        return model.denoise(cv.tokens, caches, cv.signal)
+    hidden = model.denoise(cv.tokens, caches, cv.signal, keep=keep)
+    b, c = cv.tokens.shape
+    for r in rows:
+        r.stats.skipped_body_rows += c - keep.shape[1]
+    return hidden.new_zeros(b, c, hidden.shape[-1]).scatter(1, keep[..., None].expand_as(hidden), hidden)
+
+
+def _body_rows(rows: list[Request], reuse: Reuse | None) -> Tensor | None:
+    """[B, m] the positions the body runs on, in order, or None for all of them."""
+    if reuse is None or not all(r.params.settled_kv_reuse for r in rows):
+        return None
+    m = max(1, int((~reuse.skip).sum(1).max()))  # at least one position: a pass of none has no shape
+    if m == reuse.skip.shape[1]:
+        return None
+    first = torch.sort(reuse.skip.to(torch.int8), dim=1, stable=True).indices[:, :m]  # unsettled ones first
+    return first.sort(dim=1).values
+
+
+class Settled(Feature):
+    def start(self, rows: list[Request], tokens: Tensor) -> None:
+        for r, t in zip(rows, tokens):
+            if r.params.skip_settled is not None:
+                r.settled = SettledState(torch.zeros(t.shape[0], dtype=torch.long, device=t.device))
+
+    def step(self, s: Step) -> None:
+        """Count what the step saved, then advance each position's run (before the canvas takes the step, so its
+        input tokens and previous draft are still there)."""
+        cv, out = s.canvas, s.out
+        wanted_signal = not cv.last_step(s.rows)
+        for i, r in enumerate(s.rows):
+            st, c = r.settled, out.canvas.shape[1]
+            if cv.done[i] or (st is None and r.params.soft_top_k is None):
+                continue
+            skipped = 0 if st is None else int(st.skip(r.params.skip_settled).sum())
+            r.stats.skipped_head_rows += skipped
+            r.stats.skipped_soft_rows += skipped * wanted_signal
+            r.stats.sparse_soft_rows += (c - skipped) * wanted_signal * (r.params.soft_top_k is not None)
+            if st is None:
+                continue
+            if cv.row_steps[i] > 0:
+                same = out.accepted[i] & (out.canvas[i] == cv.tokens[i]) & (out.argmax[i] == cv.argmax[i])
+                st.run = torch.where(same, st.run + 1, 0)

@@ -1,0 +1,194 @@
+"""Early commit and early stop (issue 25): a committed prefix never changes (every streamed commit is part of the
+final output), text arrives before its canvas ends, rows without the options are untouched (the same ids as the
+defaults, alone or batched beside early rows), logprobs compose, what cannot compose is refused, and the server's
+stream carries content before the first canvas ends."""
+
+import pytest
+
+import dgemma
+from dgemma.api import DEMO_MODEL
+from dgemma.engine import Engine
+from dgemma.sampling import Grammar, SamplingParams, SamplingParamsError
+from server_fixtures import start_server
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dgemma.load(DEMO_MODEL)
+
+
+def _engine_run(model, params_list, row_clocks=True):
+    """Run prompts through one Engine; returns (requests, each request's commit events in order)."""
+    engine = Engine(model.module, model.defaults.eos_token_ids or (), model.pad_id, row_clocks=row_clocks)
+    ids = model.encode_prompt(PROMPT)
+    reqs = [engine.add_request(ids, p) for p in params_list]
+    commits = {r.id: [] for r in reqs}
+    for ev in engine.stream():
+        if ev.kind == "commit":
+            commits[ev.request_id].append(ev)
+    return reqs, [commits[r.id] for r in reqs]
+
+
+@pytest.mark.parametrize("row_clocks", [True, False])
+def test_early_commits_are_never_taken_back(model, row_clocks):
+    """The ids sent early, then the canvas's rest, are exactly the request's output: what the final canvases
+    committed agrees with every id sent before they ended. Some ids do go out early (ends_canvas False)."""
+    params = model.defaults.replace(max_new_tokens=300, seed=1, early_commit=2)
+    (req,), (events,) = _engine_run(model, [params], row_clocks)
+    assert any(not e.ends_canvas and e.token_ids for e in events)
+    assert [t for e in events for t in e.token_ids] == req.output
+    assert sum(e.ends_canvas for e in events) == len(req.stats.steps_per_canvas) > 1
+
+
+def test_streamed_text_is_a_prefix_of_the_final_text_and_comes_before_the_canvas_ends(model):
+    shown, steps_at_first_text, steps = "", None, 0
+    for ev in model.stream(PROMPT, max_new_tokens=64, seed=1, early_commit=2):
+        if ev.kind == "draft":
+            steps += 1
+        elif ev.kind == "text" and ev.text:
+            shown += ev.text
+            steps_at_first_text = steps_at_first_text if steps_at_first_text is not None else steps
+            assert ev.result is None
+        elif ev.kind == "done":
+            result = ev.result
+    assert result.text.startswith(shown) and shown == result.text
+    first_canvas = result.stats["steps_per_canvas"][0]
+    assert steps_at_first_text is not None and steps_at_first_text < first_canvas // 2
+
+
+def test_off_and_never_stable_give_the_defaults_ids(model):
+    """A row whose prefix never freezes (N beyond the step budget) and a default row batched beside an early one
+    get exactly the default's ids: the feature draws nothing and touches no other row."""
+    base = model.defaults.replace(max_new_tokens=64, seed=3)
+    (alone,), _ = _engine_run(model, [base])
+    (never, plain, early), _ = _engine_run(model, [base.replace(early_commit=10_000), base,
+                                                   base.replace(early_commit=1, seed=4)])
+    assert never.output == alone.output == plain.output
+    assert model.generate(PROMPT, max_new_tokens=64, seed=3).token_ids == alone.output
+
+
+def test_logprobs_compose_with_early_commit(model):
+    params = model.defaults.replace(max_new_tokens=64, seed=1, early_commit=1, logprobs=2)
+    (req,), (events,) = _engine_run(model, [params])
+    entries = [x for e in events for x in e.logprobs]
+    assert [t for t, _, _ in entries] == req.output
+    assert all(lp <= 0 and len(alts) == 2 and alts[0][1] >= lp for _, lp, alts in entries)
+
+
+def test_early_stop_ends_canvases_on_confidence(model):
+    """A threshold above any entropy ends every canvas after its first step; one below any (1e-30) never
+    fires, so the ids are the defaults'."""
+    base = model.defaults.replace(max_new_tokens=300, seed=2)
+    (loose, tight, plain), _ = _engine_run(model, [base.replace(early_stop=1e9), base.replace(early_stop=1e-30),
+                                                   base])
+    assert set(loose.stats.steps_per_canvas) == {1} and len(loose.output) == 300
+    assert tight.output == plain.output and tight.stats.steps_per_canvas == plain.stats.steps_per_canvas
+
+
+def test_what_cannot_compose_is_refused(model):
+    with pytest.raises(SamplingParamsError) as e:
+        SamplingParams(early_commit=2, grammar=Grammar.regex("[a-z]+"))
+    assert e.value.param == "early_commit"
+    for bad in ({"early_commit": 0}, {"early_commit": 1.5}, {"early_stop": -1.0}, {"early_stop": float("nan")},
+                {"target_canvas_ms": 0}):
+        with pytest.raises(SamplingParamsError) as e:
+            SamplingParams(**bad)
+        assert e.value.param == next(iter(bad))
+    for kw in ({"sampling": "reference"}, {"mode": "autoregressive"}):
+        with pytest.raises(SamplingParamsError, match="early_commit needs fast diffusion"):
+            model.generate(PROMPT, max_new_tokens=4, early_commit=2, **kw)
+
+
+def test_cli_flags(capsys):
+    from dgemma.cli import main
+
+    assert main(["generate", PROMPT, "--max-new-tokens", "8", "--seed", "1", "--early-commit", "2",
+                 "--early-stop", "0.01", "--target-canvas-ms", "500", "--json"]) == 0
+    assert '"token_ids"' in capsys.readouterr().out
+    assert main(["generate", PROMPT, "--mode", "autoregressive", "--early-commit", "2"]) != 0
+    assert "--early-commit applies to diffusion decoding" in capsys.readouterr().err
+
+
+def test_server_streams_content_before_the_first_canvas_ends():
+    """A streamed chat with early_commit: content chunks come while the first canvas still has draft steps to go;
+    the same request without it sends its first content only when that canvas ends."""
+    openai = pytest.importorskip("openai")
+    s = start_server(DEMO_MODEL)
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        kw = dict(model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=32, seed=1, stream=True)
+        for sampling, early in (({"early_commit": 2}, True), ({}, False)):
+            chunks = list(client.chat.completions.create(**kw, extra_body={"dgemma_drafts": True,
+                                                                             "dgemma_sampling": sampling}))
+            kinds = [c.choices[0].model_extra["dgemma_draft"]["canvas"] if "dgemma_draft" in c.choices[0].model_extra
+                     else "text" if c.choices[0].delta.content else None for c in chunks if c.choices]
+            assert (0 in kinds[kinds.index("text"):]) is early  # a draft of the first canvas after the first text
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**kw | {"stream": False},
+                                           extra_body={"dgemma_sampling": {"early_commit": 0}})
+        assert e.value.body["param"] == "dgemma_sampling.early_commit"
+    finally:
+        s.stop()
+
+
+def test_latency_target_picks_the_step_budget_from_the_measured_step_time(model):
+    """With a measured step time of 1 s, a 2,500 ms target leaves a canvas 2 steps: the same ids as asking for 2
+    steps (the budget is set after the first step, which runs at t_max under every schedule)."""
+    base = model.defaults.replace(max_new_tokens=32, seed=5)
+    engine = Engine(model.module, model.defaults.eos_token_ids or (), model.pad_id)
+    engine.step_seconds = 1.0
+    req = engine.add_request(model.encode_prompt(PROMPT), base.replace(target_canvas_ms=2500.0))
+    for _ in engine.stream():
+        pass
+    (two,), _ = _engine_run(model, [base.replace(max_denoising_steps=2)])
+    assert req.stats.steps_per_canvas == [2] and req.output == two.output
+    assert 0 < engine.step_seconds < 1.0
+    # a fresh engine measures its first step, then budgets: a tiny target leaves one step per canvas after it
+    result = model.generate(PROMPT, max_new_tokens=96, seed=5, target_canvas_ms=1e-3)
+    assert result.stats["steps_per_canvas"] == [2, 1, 1]
+
+
+def test_the_frozen_prefix_rule_against_a_loop():
+    """frozen_length / settled / stable_runs against the rule written position by position."""
+    import torch
+
+    from dgemma.sampling.early import frozen_length, settled, stable_runs
+
+    g = torch.Generator().manual_seed(0)
+    prev, argmax = torch.randint(0, 4, (64, 12), generator=g), torch.randint(0, 4, (64, 12), generator=g)
+    accepted, run = torch.rand(64, 12, generator=g) < 0.8, torch.randint(0, 4, (64, 12), generator=g)
+    need, limit = torch.randint(1, 4, (64,), generator=g), torch.randint(0, 13, (64,), generator=g)
+    eos = torch.tensor([[3, -1]] * 32 + [[-1, -1]] * 32)
+    old, run = run, stable_runs(prev, argmax, accepted, run)
+    assert all(run[b, n] == (old[b, n] + 1 if argmax[b, n] == prev[b, n] and accepted[b, n] else 0)
+               for b in range(64) for n in range(12))
+    frozen = frozen_length(run, argmax, need, eos, limit)
+    done = settled(run, argmax, need, eos, frozen, limit)
+    for b in range(64):
+        n = 0
+        while n < 12 and run[b, n] >= need[b] and int(argmax[b, n]) not in eos[b].tolist():
+            n += 1
+        n = min(n, int(limit[b]))
+        assert frozen[b] == n
+        stable_eos = n < 12 and int(argmax[b, n]) in eos[b].tolist() and run[b, n] >= need[b]
+        assert bool(done[b]) == (n >= limit[b] or stable_eos)
+
+
+def test_stop_strings_cut_early_text(model):
+    """A stop string inside early-committed text ends the answer there, as it does in whole canvases."""
+    full = model.generate(PROMPT, max_new_tokens=64, seed=1, early_commit=2)
+    stop = full.text[6:9]
+    assert len(stop) == 3 and full.text.find(stop) == 6
+    cut = model.generate(PROMPT, max_new_tokens=64, seed=1, early_commit=2, stop=stop)
+    assert (cut.text, cut.finish_reason) == (full.text[:6], "stop")
+
+
+@pytest.mark.parametrize("extra", [{"skip_settled": 2}, {"skip_settled": 2, "settled_kv_reuse": True},
+                                   {"soft_top_k": 8}])
+def test_early_commit_composes_with_the_step_savings(model, extra):
+    params = model.defaults.replace(max_new_tokens=64, seed=1, early_commit=2, **extra)
+    (req,), (events,) = _engine_run(model, [params])
+    assert any(not e.ends_canvas and e.token_ids for e in events)
+    assert [t for e in events for t in e.token_ids] == req.output
