@@ -20,9 +20,9 @@ from dgemma.errors import DgemmaError  # noqa: E402
 
 TRAIN_SEED, VALID_SEED = 0, 1  # the evaluation draws from seed 2 upwards, minus any training prompt
 
-# a 4-layer body on the bundled model's tokenizer (4,096 tokens), canvas 16: every answer fits one canvas
+# a 4-layer body on the bundled model's tokenizer (4,096 tokens), canvas 10: every answer fits one canvas
 MODEL_CONFIG = {
-    "canvas_length": 16,
+    "canvas_length": 10,
     "text_config": {
         "vocab_size": 4096, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
@@ -32,7 +32,7 @@ MODEL_CONFIG = {
     },
 }
 # the checkpoint's decoding defaults (its generation_config.json): one canvas, the bundled model's schedule
-GENERATION = {"max_new_tokens": 16, "max_denoising_steps": 32, "entropy_bound": 1.0, "t_max": 0.6, "t_min": 0.3}
+GENERATION = {"max_new_tokens": 10, "max_denoising_steps": 32, "entropy_bound": 1.0, "t_max": 0.6, "t_min": 0.3}
 
 
 def train_config(args: argparse.Namespace, data: Path) -> dict:
@@ -57,8 +57,8 @@ def write_data(directory: Path, n_train: int) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("runs/quality"), help="run directory (final/ is the model)")
-    p.add_argument("--steps", type=int, default=3200, help="optimizer steps (the cosine schedule's length)")
-    p.add_argument("--max-minutes", type=float, default=60.0, help="stop and export after this much training time")
+    p.add_argument("--steps", type=int, default=1800, help="optimizer steps (the cosine schedule's length)")
+    p.add_argument("--max-minutes", type=float, default=50.0, help="stop and export after this much training time")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--train-examples", type=int, default=20_000)
