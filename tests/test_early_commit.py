@@ -192,3 +192,19 @@ def test_early_commit_composes_with_the_step_savings(model, extra):
     (req,), (events,) = _engine_run(model, [params])
     assert any(not e.ends_canvas and e.token_ids for e in events)
     assert [t for e in events for t in e.token_ids] == req.output
+
+
+@pytest.mark.parametrize("early_commit", [None, 2])
+def test_drafts_show_only_what_is_not_committed_yet(model, early_commit):
+    """A draft is the part of the canvas not committed yet, so committed text + the draft is the answer as it
+    stands (what `dgemma generate --visual` and the documented stream client draw): at the last step the
+    committed ids and the last draft are exactly the final output, the early-committed prefix not repeated."""
+    committed, preview, drafts = [], None, 0
+    for ev in model.stream(PROMPT, max_new_tokens=64, seed=1, early_commit=early_commit):
+        if ev.kind == "draft":
+            preview, drafts = committed + ev.token_ids, drafts + 1
+        elif ev.kind == "text":
+            committed += ev.token_ids
+        elif ev.kind == "done":
+            result = ev.result
+    assert drafts and preview == result.token_ids == committed
