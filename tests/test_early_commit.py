@@ -150,6 +150,31 @@ def test_latency_target_picks_the_step_budget_from_the_measured_step_time(model)
     assert result.stats["steps_per_canvas"] == [2, 1, 1]
 
 
+def test_a_canvas_after_a_one_step_budget_starts_under_the_requests_own_cap(model, monkeypatch):
+    """Each canvas's budget is chosen after its first step, which runs under the request's own step cap: after a
+    canvas budgeted one step, the next canvas's first step still computes the self-conditioning signal its
+    second step reads (it did not when the first step ran under the previous canvas's budget of one)."""
+    import dgemma.engine.engine as engine_module
+
+    wanted = []
+
+    def spy(*args, **kwargs):
+        wanted.append(kwargs["want_signal"])
+        return fast_step(*args, **kwargs)
+
+    fast_step = engine_module.fast_step
+    monkeypatch.setattr(engine_module, "fast_step", spy)
+    monkeypatch.setattr(engine_module, "measured", lambda previous, seconds: 0.5)  # every step: 0.5 s
+    engine = Engine(model.module, model.defaults.eos_token_ids or (), model.pad_id)
+    engine.step_seconds = 1.0  # the first canvas is budgeted at 1 s a step: one step fits 1,500 ms
+    req = engine.add_request(model.encode_prompt(PROMPT),
+                             model.defaults.replace(max_new_tokens=64, seed=5, target_canvas_ms=1500.0))
+    for _ in engine.stream():
+        pass
+    assert req.stats.steps_per_canvas == [1, 3]
+    assert wanted == [True, True, True, False]  # only a canvas's last step has no reader for its signal
+
+
 def test_the_frozen_prefix_rule_against_a_loop():
     """frozen_length / settled / stable_runs against the rule written position by position."""
     import torch
