@@ -175,6 +175,19 @@ def test_a_canvas_after_a_one_step_budget_starts_under_the_requests_own_cap(mode
     assert wanted == [True, True, True, False]  # only a canvas's last step has no reader for its signal
 
 
+def test_a_call_that_runs_no_step_does_not_count_as_a_step_time(model):
+    """An engine step that only drops an aborted row (a stop string, a client gone) runs no denoising step: the
+    measured step time, which latency targets budget from, stays what the steps took."""
+    engine = Engine(model.module, model.defaults.eos_token_ids or (), model.pad_id)
+    req = engine.add_request(model.encode_prompt(PROMPT), model.defaults.replace(max_new_tokens=32, seed=5))
+    engine.step()
+    measured = engine.step_seconds
+    assert measured is not None and measured > 0
+    engine.abort(req.id)
+    engine.step()
+    assert engine.step_seconds == measured and not engine.has_work()
+
+
 def test_the_frozen_prefix_rule_against_a_loop():
     """frozen_length / settled / stable_runs against the rule written position by position."""
     import torch
