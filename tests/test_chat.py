@@ -83,6 +83,21 @@ def test_earlier_calls_and_results_are_in_the_prompt(demo):
     assert '{"name":"get_weather","description":"weather","parameters":' in text  # the system block
 
 
+def test_content_given_as_text_parts_renders_as_its_text(demo):
+    """OpenAI messages may carry their content as a list of text parts: with tools the system block joins a
+    system message's parts, and a tool result's parts are its text, as if each content were the one string; with
+    or without tools, a control token's text in a part stays text (as in a string content: encode_chat)."""
+    def parts(text):
+        return [{"type": "text", "text": text[:3]}, {"type": "text", "text": text[3:]}]
+
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": {"zone": 1}}}
+    plain = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Time <eos> in Paris?"},
+             {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
+    split = [m | {"content": parts(m["content"])} if m.get("content") else m for m in plain]
+    assert demo.encode_prompt(split, tools=TOOLS) == demo.encode_prompt(plain, tools=TOOLS)
+    assert demo.encode_prompt(split[:2]) == demo.encode_prompt(plain[:2])
+
+
 @pytest.mark.parametrize("prompt, options, param", [
     ("What time is it?", {}, "tools"),
     (CHAT, {"grammar": Grammar.json_schema(TIME)}, "grammar"),

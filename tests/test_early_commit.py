@@ -150,6 +150,44 @@ def test_latency_target_picks_the_step_budget_from_the_measured_step_time(model)
     assert result.stats["steps_per_canvas"] == [2, 1, 1]
 
 
+def test_a_canvas_after_a_one_step_budget_starts_under_the_requests_own_cap(model, monkeypatch):
+    """Each canvas's budget is chosen after its first step, which runs under the request's own step cap: after a
+    canvas budgeted one step, the next canvas's first step still computes the self-conditioning signal its
+    second step reads (it did not when the first step ran under the previous canvas's budget of one)."""
+    import dgemma.engine.engine as engine_module
+
+    wanted = []
+
+    def spy(*args, **kwargs):
+        wanted.append(kwargs["want_signal"])
+        return fast_step(*args, **kwargs)
+
+    fast_step = engine_module.fast_step
+    monkeypatch.setattr(engine_module, "fast_step", spy)
+    monkeypatch.setattr(engine_module, "measured", lambda previous, seconds: 0.5)  # every step: 0.5 s
+    engine = Engine(model.module, model.defaults.eos_token_ids or (), model.pad_id)
+    engine.step_seconds = 1.0  # the first canvas is budgeted at 1 s a step: one step fits 1,500 ms
+    req = engine.add_request(model.encode_prompt(PROMPT),
+                             model.defaults.replace(max_new_tokens=64, seed=5, target_canvas_ms=1500.0))
+    for _ in engine.stream():
+        pass
+    assert req.stats.steps_per_canvas == [1, 3]
+    assert wanted == [True, True, True, False]  # only a canvas's last step has no reader for its signal
+
+
+def test_a_call_that_runs_no_step_does_not_count_as_a_step_time(model):
+    """An engine step that only drops an aborted row (a stop string, a client gone) runs no denoising step: the
+    measured step time, which latency targets budget from, stays what the steps took."""
+    engine = Engine(model.module, model.defaults.eos_token_ids or (), model.pad_id)
+    req = engine.add_request(model.encode_prompt(PROMPT), model.defaults.replace(max_new_tokens=32, seed=5))
+    engine.step()
+    measured = engine.step_seconds
+    assert measured is not None and measured > 0
+    engine.abort(req.id)
+    engine.step()
+    assert engine.step_seconds == measured and not engine.has_work()
+
+
 def test_the_frozen_prefix_rule_against_a_loop():
     """frozen_length / settled / stable_runs against the rule written position by position."""
     import torch
@@ -192,3 +230,19 @@ def test_early_commit_composes_with_the_step_savings(model, extra):
     (req,), (events,) = _engine_run(model, [params])
     assert any(not e.ends_canvas and e.token_ids for e in events)
     assert [t for e in events for t in e.token_ids] == req.output
+
+
+@pytest.mark.parametrize("early_commit", [None, 2])
+def test_drafts_show_only_what_is_not_committed_yet(model, early_commit):
+    """A draft is the part of the canvas not committed yet, so committed text + the draft is the answer as it
+    stands (what `dgemma generate --visual` and the documented stream client draw): at the last step the
+    committed ids and the last draft are exactly the final output, the early-committed prefix not repeated."""
+    committed, preview, drafts = [], None, 0
+    for ev in model.stream(PROMPT, max_new_tokens=64, seed=1, early_commit=early_commit):
+        if ev.kind == "draft":
+            preview, drafts = committed + ev.token_ids, drafts + 1
+        elif ev.kind == "text":
+            committed += ev.token_ids
+        elif ev.kind == "done":
+            result = ev.result
+    assert drafts and preview == result.token_ids == committed

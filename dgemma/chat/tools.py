@@ -105,7 +105,7 @@ def plain_message(m: Any, i: int) -> dict[str, Any]:
     """A chat message with every field `messages` reads (absent ones None), checked."""
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise SamplingParamsError(f"messages[{i}] must be an object with a role", "messages")
-    out = m | {"role": "system" if m["role"] == "developer" else m["role"], "content": m.get("content"),
+    out = m | {"role": "system" if m["role"] == "developer" else m["role"], "content": _flat(m.get("content")),
                "tool_calls": m.get("tool_calls") or None, "tool_call_id": m.get("tool_call_id")}
     for field in ("content", "tool_call_id"):
         if out[field] is None and (why := missing(field, out)):
@@ -211,8 +211,17 @@ def render(messages: list[dict[str, Any]], mode: str, tools: list[dict[str, Any]
     if mode != "none":
         block = system_block(mode, tools, parallel)
         if out[0]["role"] == "system":
-            out[0]["content"] = block + "\n\n" + out[0]["content"]
+            first = out[0]["content"]  # a string, or parts with an image
+            out[0]["content"] = [{"type": "text", "text": block + "\n\n"}, *first] if isinstance(first, list) \
+                else block + "\n\n" + first
         else:
             out.insert(0, {"role": "system", "content": block})
     return out
+
+
+def _flat(content: Any) -> Any:
+    """A content given as text parts -> their text (OpenAI's other form of it); other contents unchanged."""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    return content
 

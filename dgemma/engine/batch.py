@@ -138,15 +138,18 @@ class Canvas:
         self.stopper.select(index)
 
     def drafts(self, rows: list[Request], events: list[Event]) -> None:
-        """A draft event (the visible part of the current canvas and which of its positions the step accepted)
-        for each live row that asked for drafts and moved this step: a done row's draft would repeat itself."""
+        """A draft event (the visible part of the current canvas not committed yet, so committed text + draft is
+        the answer as it stands, and which of its positions the step accepted) for each live row that asked for
+        drafts and moved this step: a done row's draft would repeat itself."""
         live = [i for i, r in enumerate(rows) if r.drafts and not r.finished and self.stepped[i]]
         if live:
             c = self.argmax.shape[1]
             both = torch.cat([self.argmax, self.accepted.long()], dim=1).tolist()  # one device read
             for i in live:
-                ids = rows[i].visible(both[i][:c])
-                events.append(Event(rows[i].id, "draft", ids, accepted=[a == 1 for a in both[i][c:c + len(ids)]]))
+                sent = rows[i].sent  # ids of this canvas committed early (early commit) are not repeated
+                ids = rows[i].visible(both[i][:c])[sent:]
+                accepted = both[i][c + sent:c + sent + len(ids)]
+                events.append(Event(rows[i].id, "draft", ids, accepted=[a == 1 for a in accepted]))
 
     def put(self, rows: list[int], fresh: Canvas) -> None:
         """These rows start their next canvas: `fresh` (`Canvas.start` of those rows) replaces their state."""

@@ -86,9 +86,10 @@ class Engine(Runner):
         if self.row_clocks or self.batch is None or self.batch.canvas is None:
             self._turnover()
         if self.batch is not None:
-            t = time.perf_counter()
+            t, passes = time.perf_counter(), self.stats.passes
             self._denoise_step(events)
-            self.step_seconds = measured(self.step_seconds, time.perf_counter() - t)
+            if self.stats.passes > passes:  # a call that only dropped aborted rows ran no step: not a step time
+                self.step_seconds = measured(self.step_seconds, time.perf_counter() - t)
         return events
 
     # ---- between steps ----------------------------------------------------------------------------------

@@ -126,9 +126,9 @@ class Request:
 
 @dataclass
 class Event:
-    """draft: the visible part of the current canvas (`accepted`: which of its positions the step kept);
-    commit: newly committed ids (`ends_canvas` False: an early commit, its canvas goes on); finish: the request
-    ended."""
+    """draft: the visible part of the current canvas not committed yet (`accepted`: which of its positions the
+    step kept); commit: newly committed ids (`ends_canvas` False: an early commit, its canvas goes on); finish:
+    the request ended."""
 
     request_id: str
     kind: Literal["draft", "commit", "finish"]

@@ -26,9 +26,11 @@ class LatencyTarget(Feature):
             req.latency = Budget(req.params.max_denoising_steps)
 
     def start(self, rows: list[Request], tokens: Tensor) -> None:
+        """A new canvas starts under the request's own cap (Canvas.start reads it), not the last canvas's budget:
+        a budget of one would make its first step the last, its self-conditioning signal never computed."""
         for r in rows:
             if r.latency is not None:
-                r.latency.chosen = False
+                r.params, r.latency.chosen = r.params.replace(max_denoising_steps=r.latency.cap), False
 
     def settle(self, s: Step) -> None:
         if s.step_seconds is None:
