@@ -9,7 +9,7 @@ import sys
 
 from dgemma.errors import DgemmaError
 from dgemma.image_limits import add_image_options, limits_from_args
-from dgemma.options import SAMPLINGS, add_mode_option, add_model_options
+from dgemma.options import OPT_IN, SAMPLINGS, add_mode_option, add_model_options
 
 
 def load_model_from_args(args: argparse.Namespace):
@@ -48,12 +48,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model.image_limits = limits
     options = {"max_new_tokens": args.max_new_tokens, "max_denoising_steps": args.steps, "t_min": args.t_min,
                "t_max": args.t_max, "entropy_bound": args.entropy_bound, "seed": args.seed,
-               "early_commit": args.early_commit, "early_stop": args.early_stop,
-               "target_canvas_ms": args.target_canvas_ms,
                "stop": tuple(args.stop) or None, "ar_temperature": args.ar_temperature,
                "mode": args.mode, "sampling": args.sampling, "grammar": _grammar(args),
-               "soft_top_k": args.soft_top_k, "skip_settled": args.skip_settled,
-               "settled_kv_reuse": args.settled_kv_reuse}
+               **{o.name: getattr(args, o.name) for o in OPT_IN}}
     if args.json:
         print(json.dumps(model.generate(prompt, **options).to_dict()))
         return 0
@@ -67,11 +64,7 @@ def _check_mode_options(args: argparse.Namespace) -> None:
     if args.mode == "autoregressive":
         given = [flag for flag, value in (("--steps", args.steps), ("--t-min", args.t_min), ("--t-max", args.t_max),
                                           ("--entropy-bound", args.entropy_bound),
-                                          ("--early-commit", args.early_commit), ("--early-stop", args.early_stop),
-                                          ("--target-canvas-ms", args.target_canvas_ms),
-                                          ("--soft-top-k", args.soft_top_k),
-                                          ("--skip-settled", args.skip_settled),
-                                          ("--settled-kv-reuse", args.settled_kv_reuse)) if value is not None]
+                                          *((o.flag, getattr(args, o.name)) for o in OPT_IN)) if value is not None]
         given += ["--sampling reference"] * (args.sampling == "reference")
         if given:
             raise DgemmaError(f"{given[0]} applies to diffusion decoding; --mode autoregressive samples with "
@@ -140,18 +133,11 @@ def _add_generate(sub) -> None:
 
 def _add_opt_in_options(p: argparse.ArgumentParser) -> None:
     """Diffusion options that change outputs, off by default (docs/performance.md measures each)."""
-    p.add_argument("--early-commit", type=int, metavar="N",
-                   help="stream a canvas's left prefix once stable for N steps, before the canvas ends (default off)")
-    p.add_argument("--early-stop", type=float, metavar="H",
-                   help="end a canvas once its mean token entropy is below H, stable or not (default off)")
-    p.add_argument("--target-canvas-ms", type=float, metavar="MS",
-                   help="each canvas's step budget: the steps that fit MS at the measured step time (default off)")
-    p.add_argument("--soft-top-k", type=int, metavar="K",
-                   help="opt-in: self-conditioning over each position's K most likely tokens (changes outputs)")
-    p.add_argument("--skip-settled", type=int, metavar="N",
-                   help="opt-in: positions settled for N steps leave the head work (changes outputs)")
-    p.add_argument("--settled-kv-reuse", action="store_true", default=None,
-                   help="opt-in, with --skip-settled: settled positions leave the body too, their keys/values reused")
+    for o in OPT_IN:
+        if o.type is bool:
+            p.add_argument(o.flag, action="store_true", default=None, help=f"opt-in: {o.help}")
+        else:
+            p.add_argument(o.flag, type=o.type, metavar=o.metavar, help=f"opt-in: {o.help} (default off)")
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:

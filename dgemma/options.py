@@ -1,16 +1,46 @@
 """The options commands share, declared once: model loading (`--model`, `--dtype`, `--device`, `--compile`,
-`--quantize`) and the decoding mode; and the names of the decoding modes and samplings (no torch import
-here: `--help` stays fast)."""
+`--quantize`), the decoding mode and the opt-in decoding options; and the names of the decoding modes and
+samplings (no torch import here: `--help` stays fast)."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from dgemma.dtypes import NAMES
 
 MODES = ("diffusion", "autoregressive")
 SAMPLINGS = ("fast", "reference")
 MODE_HELP = "decode by block diffusion or autoregressively with the encoder"
+
+
+@dataclass(frozen=True)
+class OptIn:
+    """A decoding option that changes outputs, off unless asked for: this one declaration makes its CLI flag
+    (`--soft-top-k`) and its field of the server's `dgemma_sampling`; the SamplingParams field of the same name
+    holds its rule (sampling/params.py), and its name joins DIFFUSION_ONLY there."""
+
+    name: str
+    type: type
+    metavar: str
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+OPT_IN = (
+    OptIn("early_commit", int, "N", "stream a canvas's left prefix once each of its positions kept its token for N "
+          "steps, before the canvas ends (the text sent never changes)"),
+    OptIn("early_stop", float, "H", "end a canvas once its mean token entropy is below H, stable or not"),
+    OptIn("target_canvas_ms", float, "MS", "each canvas's step budget: the steps that fit MS milliseconds at the "
+          "measured step time (at most max_denoising_steps)"),
+    OptIn("soft_top_k", int, "K", "the self-conditioning signal over each position's K most likely tokens"),
+    OptIn("skip_settled", int, "N", "positions accepted and unchanged for N steps leave the head work"),
+    OptIn("settled_kv_reuse", bool, "", "with skip_settled: settled positions leave the body too, their keys and "
+          "values reused (approximate)"),
+)
 
 
 def add_model_options(p: argparse.ArgumentParser, dtype_help: str | None = None) -> None:

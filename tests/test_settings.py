@@ -156,3 +156,23 @@ def test_the_engine_refuses_what_its_decoding_cannot_follow_with_the_api_message
     with pytest.raises(SamplingParamsError) as engine:
         model.runner("autoregressive").add_request([5, 6], model.params(logprobs=2))
     assert str(api.value) == str(engine.value) == "logprobs needs fast diffusion decoding"
+
+
+def test_each_opt_in_option_is_declared_once_and_reaches_every_front_end():
+    """options.OPT_IN makes the CLI flag and the dgemma_sampling field; each names a SamplingParams field that is
+    off by default and refused outside fast diffusion decoding."""
+    import dataclasses
+
+    from dgemma.cli import build_parser
+    from dgemma.options import OPT_IN
+    from dgemma.sampling.params import DIFFUSION_ONLY, SamplingParams
+    from dgemma.server.protocol import DgemmaSampling
+
+    defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+    assert len(OPT_IN) >= 6
+    for o in OPT_IN:
+        assert defaults[o.name] is None and o.name in DIFFUSION_ONLY
+        value = True if o.type is bool else o.type(2)
+        argv = ["generate", "x", o.flag] + ([] if o.type is bool else [str(value)])
+        assert getattr(build_parser(argv).parse_args(argv), o.name) == value
+        assert DgemmaSampling.model_validate({o.name: value}).overrides() == {o.name: value}

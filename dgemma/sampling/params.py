@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dgemma.errors import SamplingParamsError
+from dgemma.options import OPT_IN
 from dgemma.sampling.constraints import Grammar
 from dgemma.sampling.seeded import Layout
 
@@ -18,9 +19,9 @@ MAX_DENOISING_STEPS = 10_000
 MAX_SEED = 2**64 - 1
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
 MAX_SOFT_TOP_K = 1 << 20
+
 # SamplingParams fields the autoregressive and reference decoders cannot follow
-DIFFUSION_ONLY = ("logprobs", "soft_top_k", "skip_settled", "settled_kv_reuse", "early_commit", "early_stop",
-                  "target_canvas_ms")
+DIFFUSION_ONLY = ("logprobs", *(o.name for o in OPT_IN))
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,11 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo,
-                      WrapValidator, field_validator)
+                      WrapValidator, create_model, field_validator)
 from pydantic_core import PydanticCustomError
 
 from dgemma.chat import tools as tool_calls
+from dgemma.options import OPT_IN
 from dgemma.sampling import Grammar, SamplingParamsError
 from dgemma.sampling.params import MAX_LOGPROBS
 from dgemma.server.formats import SEEDED, response_grammar, seeded_options
@@ -78,23 +79,14 @@ class DgemmaSampling(_Strict):
     entropy_bound: float | None = Field(None, description="entropy budget of the positions one step accepts")
     t_min: float | None = Field(None, description="temperature at the last step (instead of `temperature`)")
     t_max: float | None = Field(None, description="temperature at the first step (instead of `temperature`)")
-    early_commit: int | None = Field(None, description=(
-        "stream a canvas's left prefix once each of its positions kept its token for this many steps, before the "
-        "canvas ends (the text sent never changes); omitted: off"))
-    early_stop: float | None = Field(None, description=(
-        "end a canvas once its mean token entropy is below this, stable or not; omitted: off"))
-    target_canvas_ms: float | None = Field(None, description=(
-        "milliseconds per canvas: each canvas's step budget is what fits this at the server's measured step time "
-        "(at most max_denoising_steps); omitted: off"))
-    soft_top_k: int | None = Field(None, description=(
-        "opt-in saving (changes outputs): the self-conditioning signal over each position's k most likely tokens"))
-    skip_settled: int | None = Field(None, description=(
-        "opt-in saving (changes outputs): positions accepted and unchanged for this many steps skip the head"))
-    settled_kv_reuse: bool | None = Field(None, description=(
-        "opt-in saving (changes outputs), with skip_settled: settled positions skip the body too (keys reused)"))
 
     def overrides(self) -> dict[str, Any]:
         return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+DgemmaSampling = create_model("DgemmaSampling", __base__=DgemmaSampling, **{  # the opt-in options, declared once
+    o.name: (o.type | None, Field(None, description=f"opt-in (changes outputs): {o.help}; omitted: off"))
+    for o in OPT_IN})
 
 
 class OpenAIRequest(_Strict):
