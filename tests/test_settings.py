@@ -176,3 +176,13 @@ def test_each_opt_in_option_is_declared_once_and_reaches_every_front_end():
         argv = ["generate", "x", o.flag] + ([] if o.type is bool else [str(value)])
         assert getattr(build_parser(argv).parse_args(argv), o.name) == value
         assert DgemmaSampling.model_validate({o.name: value}).overrides() == {o.name: value}
+
+
+def test_a_diffusion_only_field_set_to_off_is_not_refused_elsewhere():
+    """settled_kv_reuse=False means off, so autoregressive decoding takes it; logprobs=0 still asks for logprobs."""
+    from dgemma.sampling import SamplingParams, SamplingParamsError
+
+    SamplingParams(settled_kv_reuse=False).check_decoding("autoregressive", "fast", (1,), True)
+    for asked in ({"settled_kv_reuse": True, "skip_settled": 1}, {"logprobs": 0}, {"early_commit": 1}):
+        with pytest.raises(SamplingParamsError, match="needs fast diffusion decoding"):
+            SamplingParams(**asked).check_decoding("autoregressive", "fast", (1,), True)

@@ -161,7 +161,7 @@ class SamplingParams:
         `eos`, whether it has a `tokenizer` for grammars): checked by the API before a request is made and by every
         engine (runner.make_request). A field only fast diffusion decoding follows: its name in DIFFUSION_ONLY."""
         g, s, fast_diffusion = self.grammar, self.seeded, (mode, sampling) == ("diffusion", "fast")
-        only = next((name for name in DIFFUSION_ONLY if getattr(self, name) is not None), None)
+        only = next((n for n in DIFFUSION_ONLY if getattr(self, n) is not None and getattr(self, n) is not False), None)
         for broken, message, param in (
                 (g and sampling != "fast", "constrained output needs the fast sampler", g and g.param),
                 (g and not tokenizer, "constrained output needs a tokenizer; this checkpoint has none", g and g.param),
