@@ -21,6 +21,7 @@ from dgemma.engine.batch import Canvas
 from dgemma.engine.features.base import Feature, Step
 from dgemma.engine.request import Request
 from dgemma.model import DiffusionGemma
+from dgemma.sampling.early import stable_runs
 from dgemma.sampling.fused import Reuse
 
 
@@ -93,5 +94,5 @@ class Settled(Feature):
             if st is None:
                 continue
             if cv.row_steps[i] > 0:
-                same = out.accepted[i] & (out.canvas[i] == cv.tokens[i]) & (out.argmax[i] == cv.argmax[i])
-                st.run = torch.where(same, st.run + 1, 0)
+                kept = out.accepted[i] & (out.canvas[i] == cv.tokens[i])  # accepted, and the canvas did not move
+                st.run = stable_runs(cv.argmax[i], out.argmax[i], kept, st.run)
