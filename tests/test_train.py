@@ -287,6 +287,17 @@ def test_resume_gives_the_same_next_loss(workdir, tmp_path):
     assert fresh.step == 0
 
 
+def test_resume_follows_a_changed_learning_rate(workdir, tmp_path):
+    first = Trainer(tiny_config(workdir, tmp_path, steps=10), progress=False)
+    first.train_step()
+    first.save()
+    resumed = Trainer(tiny_config(workdir, tmp_path, steps=10, lr=1e-3), progress=False)
+    resumed.train_step()
+    expected = 1e-3 * lr_factor(2, 1, 10, resumed.cfg.min_lr / 1e-3)  # the new lr's cosine at step 2
+    assert [g["lr"] for g in resumed.optimizer.param_groups] == [pytest.approx(expected)] * len(
+        resumed.optimizer.param_groups)
+
+
 def test_interrupted_save_keeps_the_last_checkpoint(workdir, tmp_path, monkeypatch):
     from dgemma.train import checkpoint
 

@@ -174,6 +174,7 @@ class Trainer:
         else:
             self._load_weights(path, weights, extra["optimizer"])
         self.scheduler.load_state_dict(extra["scheduler"])
+        self.scheduler.base_lrs = [self.cfg.lr for _ in self.scheduler.base_lrs]  # a changed --lr, like --steps
         self.generator.set_state(extra["generator"])
         torch.set_rng_state(extra["torch_rng"])
         random.setstate(extra["python_rng"])
