@@ -132,8 +132,9 @@ class SamplingParams:
 
     def _check_speed(self) -> None:
         """early_commit: steps a position must stay unchanged; it commits text before the canvas ends, which a
-        grammar's or a layout's whole-canvas rules cannot follow. early_stop: an entropy threshold; target_canvas_ms: a
-        canvas's wall time in milliseconds."""
+        grammar's or a layout's whole-canvas rules cannot follow; early_commit_cache: its frozen prefix moves into the
+        KV cache (a pass narrower than the canvas, which settled_kv_reuse's kept positions do not index). early_stop:
+        an entropy threshold; target_canvas_ms: a canvas's wall time in milliseconds."""
         if self.early_stop is not None:
             _positive("early_stop", self.early_stop)
         if self.target_canvas_ms is not None:
