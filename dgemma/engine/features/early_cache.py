@@ -16,8 +16,8 @@ from dgemma.engine.request import Request
 from dgemma.model import DiffusionGemma
 from dgemma.sampling.fused import Reuse
 
-# A move is one encoder pass, whose weight reads cost about what a pass over a whole canvas does on a CPU: frozen
-# positions wait until they are at least this share of the canvas (or the canvas ends without them).
+# A move is one more encoder pass (every weight read once more, however few its tokens): frozen positions wait
+# until they are at least 1 / MOVE_SHARE of the canvas (or the canvas ends without them).
 MOVE_SHARE = 8
 
 
