@@ -325,8 +325,29 @@ def test_passes_shrink_by_the_moved_prefix(model32, monkeypatch):
     assert all(not any(h or ()) for _, h in moved)  # alone, a row never hides positions
 
 
+def test_each_step_leaves_out_of_the_head_exactly_the_committed_prefix(model32, monkeypatch):
+    """The positions a step's head work skips are the ids of its canvas committed so far (sent early), no others."""
+    import dgemma.engine.engine as engine_module
+
+    engine = Engine(model32.module, model32.defaults.eos_token_ids or (), model32.pad_id)
+    req = engine.add_request(model32.encode_prompt(PROMPT), _params(model32))
+    seen, real = [], engine_module.fast_step
+
+    def spy(*args, reuse=None, **kw):
+        seen.append((req.sent, None if reuse is None else reuse.skip[0].tolist()))
+        return real(*args, reuse=reuse, **kw)
+
+    monkeypatch.setattr(engine_module, "fast_step", spy)
+    for _ in engine.stream():
+        pass
+    c = model32.module.cfg.canvas_length
+    assert any(sent for sent, _ in seen)
+    assert all((skip or [False] * c) == [j < sent for j in range(c)] for sent, skip in seen)
+
+
 def test_off_is_early_commit_alone(model32):
-    (plain, off), _ = _engine_run(model32, [_params(model32, early_commit_cache=None), _params(model32, early_commit_cache=False)])
+    (plain, off), _ = _engine_run(model32, [_params(model32, early_commit_cache=None),
+                                             _params(model32, early_commit_cache=False)])
     (alone,), _ = _engine_run(model32, [_params(model32, early_commit_cache=None)])
     assert plain.output == off.output == alone.output
     assert off.stats.skipped_body_rows == 0
