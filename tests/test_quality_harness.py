@@ -123,6 +123,12 @@ def test_evaluation_on_the_bundled_model(model):
     assert res["one_step"]["overall"]["decoder_passes"] == 2
     assert res["defaults"]["overall"]["decoder_passes"] > 2  # the adaptive defaults take more steps
     assert res["one_step"]["overall"]["flops_per_answer"] < res["defaults"]["overall"]["flops_per_answer"]
+    # the one-pass floor: what one pass per canvas costs, which is exactly what the one-step variant spent
+    one, base = res["one_step"]["overall"], res["defaults"]["overall"]
+    assert one["one_pass_flops_per_token"] == pytest.approx(one["flops_per_token"], rel=1e-12)
+    assert base["one_pass_flops_per_token"] < base["flops_per_token"]
+    assert report["vs_defaults"]["one_step"]["one_pass_floor_ratio"] == pytest.approx(
+        one["flops_per_token"] / base["flops_per_token"])
     ar = res["autoregressive"]["overall"]  # one pass per token, plus the EOS when an answer stopped early
     assert ar["tokens"] <= ar["decoder_passes"] <= ar["tokens"] + 2
     assert report["vs_defaults"]["defaults"]["flops_per_token_ratio"] == 1.0

@@ -73,7 +73,7 @@ def decode(model, example: tasks.Example, variant: dict[str, Any], seed: int) ->
             "tokens": len(result.token_ids), "passes": result.stats["decoder_passes"],
             "steps_per_canvas": result.stats["steps_per_canvas"],
             "flops": flops(model.module.cfg, result, autoregressive, variant.get("soft_top_k")), "ttft": ttft,
-            "seconds": seconds}
+            "one_pass_flops": one_pass_flops(model.module.cfg, result, autoregressive), "seconds": seconds}
 
 
 def flops(cfg, result, autoregressive: bool, soft_top_k: int | None = None) -> float:
@@ -83,6 +83,13 @@ def flops(cfg, result, autoregressive: bool, soft_top_k: int | None = None) -> f
         return autoregressive_flops(cfg, result.prompt_tokens, result.stats["decoder_passes"])["total"]
     full = diffusion_flops(cfg, result.prompt_tokens, result.stats["steps_per_canvas"])["total"]
     return full - saved_flops(cfg, result.stats, soft_top_k, result.prompt_tokens)
+
+
+def one_pass_flops(cfg, result, autoregressive: bool) -> float:
+    """The least a canvas decoder could spend on this answer: its prompt and canvases, one decoder pass each."""
+    if autoregressive:
+        return flops(cfg, result, True)
+    return diffusion_flops(cfg, result.prompt_tokens, [1] * len(result.stats["steps_per_canvas"]))["total"]
 
 
 # ---- aggregation --------------------------------------------------------------------------------------------------
@@ -96,6 +103,7 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "accuracy": sum(r["correct"] for r in rows) / len(rows),
             "tokens": tokens, "decoder_passes": passes, "tokens_per_pass": tokens / passes if passes else None,
             "flops_per_token": total_flops / tokens if tokens else None, "flops_per_answer": total_flops / len(rows),
+            "one_pass_flops_per_token": sum(r["one_pass_flops"] for r in rows) / tokens if tokens else None,
             "ttft_seconds_median": statistics.median(ttfts) if ttfts else None,
             "tokens_per_second": tokens / seconds if seconds > 0 else None}
 
@@ -115,7 +123,9 @@ def versus_defaults(results: dict[str, Any]) -> dict[str, Any]:
         out[name] = {"accuracy_points": 100 * (v["accuracy"] - base["accuracy"]),
                      **{f"{k}_ratio": _ratio(v[k], base[k]) for k in
                         ("flops_per_token", "flops_per_answer", "ttft_seconds_median", "tokens_per_second",
-                         "tokens_per_pass")}}
+                         "tokens_per_pass")},
+                     # the FLOP ratio no option could go below with these answers' canvases (one pass each)
+                     "one_pass_floor_ratio": _ratio(v["one_pass_flops_per_token"], base["flops_per_token"])}
     return out
 
 

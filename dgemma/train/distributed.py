@@ -112,6 +112,7 @@ def close(par: Parallel) -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            dist.barrier()  # no rank tears gloo down while another still talks to it (rank abort seen under load)
             dist.destroy_process_group()
 
 
