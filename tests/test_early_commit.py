@@ -353,14 +353,15 @@ def test_off_is_early_commit_alone(model32):
     assert off.stats.skipped_body_rows == 0
 
 
-def test_batched_rows_with_different_frozen_lengths_match_their_runs_alone(model32, monkeypatch):
+@pytest.mark.parametrize("row_clocks", [True, False])
+def test_batched_rows_with_different_frozen_lengths_match_their_runs_alone(model32, monkeypatch, row_clocks):
     """Rows that freeze at different rates (and one without the option) batched together give each the ids it gives
     alone: the pass starts at the smallest moved prefix, a row that moved more hides the rest from its canvas."""
     params = [_params(model32, seed=1), _params(model32, seed=2, early_commit=3), model32.defaults.replace(
         max_new_tokens=96, seed=4), _params(model32, seed=5)]
     alone = [_engine_run(model32, [p])[0][0].output for p in params]
     passes = _spy(monkeypatch, model32, "denoise")
-    reqs, events = _engine_run(model32, params)
+    reqs, events = _engine_run(model32, params, row_clocks)
     assert [r.output for r in reqs] == alone
     assert all([t for e in ev for t in e.token_ids] == r.output for r, ev in zip(reqs, events))
     assert any(h and len(set(h)) > 1 for _, h in passes)  # some pass had rows with different hidden counts
