@@ -6,7 +6,8 @@ ran: prefill and the server's own overhead) and from that chunk to the first con
 tokens/s, and how many answers equal the defaults' text (the option changes outputs; the harness,
 benchmarks/quality/evaluate.py, gives its accuracy).
 
-    python benchmarks/early_commit.py [--model DIR] [--chats 8] [--max-tokens 64] [--early-commit 1,2,3]
+    python benchmarks/early_commit.py [--model DIR] [--chats 8] [--max-tokens 64] [--early-commit 1,2,3] \
+        [--variant 'NAME={"early_commit": 1, "early_commit_cache": true}']
 
 Last stdout line: JSON {variants: {name: {ttft_seconds_median, start_seconds_median, ttft_after_start_median,
 seconds_median, tokens_per_second, same_text_as_defaults, ttft_ratio, ttft_after_start_ratio,
@@ -87,15 +88,23 @@ def summarise(rows: list[dict], base: list[dict]) -> dict:
             "same_text_as_defaults": sum(r["text"] == b["text"] for r, b in zip(rows, base)) / len(rows)}
 
 
+def _variant(text: str) -> tuple[str, dict]:
+    name, _, fields = text.partition("=")
+    return name, json.loads(fields)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(DEMO_MODEL))
     p.add_argument("--chats", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--early-commit", default="1,2,3", help="values of early_commit to compare with the defaults")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                   help="another variant: its dgemma_sampling fields (repeatable)")
     p.add_argument("--threads", type=int, help="the server's torch threads")
     args = p.parse_args()
-    variants = {"defaults": {}} | {f"early_commit_{n}": {"early_commit": int(n)} for n in args.early_commit.split(",")}
+    variants = {"defaults": {}} | {f"early_commit_{n}": {"early_commit": int(n)} for n in args.early_commit.split(",")
+                                   if n} | dict(_variant(v) for v in args.variant)
     proc, url = serve(args.model, args.threads)
     try:
         with httpx.Client(base_url=url, timeout=600) as client:

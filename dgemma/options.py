@@ -33,6 +33,8 @@ class OptIn:
 OPT_IN = (
     OptIn("early_commit", int, "N", "stream a canvas's left prefix once each of its positions kept its token for N "
           "steps, before the canvas ends (the text sent never changes)"),
+    OptIn("early_commit_cache", bool, "", "with early_commit: the frozen prefix moves into the KV cache (encoded as "
+          "the canvas's commit would encode it), so the rest of the canvas is smaller"),
     OptIn("early_stop", float, "H", "end a canvas once its mean token entropy is below H, stable or not"),
     OptIn("target_canvas_ms", float, "MS", "each canvas's step budget: the steps that fit MS milliseconds at the "
           "measured step time (at most max_denoising_steps)"),

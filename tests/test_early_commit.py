@@ -1,9 +1,13 @@
 """Early commit and early stop (issue 25): a committed prefix never changes (every streamed commit is part of the
 final output), text arrives before its canvas ends, rows without the options are untouched (the same ids as the
 defaults, alone or batched beside early rows), logprobs compose, what cannot compose is refused, and the server's
-stream carries content before the first canvas ends."""
+stream carries content before the first canvas ends. With `early_commit_cache` the frozen prefix is encoded into the
+row's cache while the canvas denoises: the cache then holds what a plain commit of the same final ids gives
+(recomputed by an independent prefill and encode), passes really shrink, and a row's output does not depend on its
+batch-mates' frozen lengths."""
 
 import pytest
+import torch
 
 import dgemma
 from dgemma.api import DEMO_MODEL
@@ -17,6 +21,12 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def model():
     return dgemma.load(DEMO_MODEL)
+
+
+@pytest.fixture(scope="module")
+def model32():
+    """float32: the cache contents compare within float32's tolerance and batching changes no draw."""
+    return dgemma.load(DEMO_MODEL, dtype="float32")
 
 
 def _engine_run(model, params_list, row_clocks=True):
@@ -246,3 +256,125 @@ def test_drafts_show_only_what_is_not_committed_yet(model, early_commit):
         elif ev.kind == "done":
             result = ev.result
     assert drafts and preview == result.token_ids == committed
+
+
+# ---- early_commit_cache: the frozen prefix moves into the KV cache ---------------------------------------------
+def _params(model, seed=1, **kw):
+    return model.defaults.replace(**{"max_new_tokens": 96, "seed": seed, "early_commit": 1, "early_commit_cache": True}
+                                  | kw)
+
+
+def _spy(monkeypatch, model, name):
+    """Record (width, hide) of every model.denoise call, or the ids of every model.encode call."""
+    calls, real = [], getattr(model.module, name)
+
+    def spy(ids, *args, **kw):
+        calls.append((ids.shape[1], kw.get("hide")) if name == "denoise" else ids.tolist())
+        return real(ids, *args, **kw)
+
+    monkeypatch.setattr(model.module, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("row_clocks", [True, False])
+def test_committed_text_never_changes_and_is_what_was_streamed(model32, row_clocks):
+    (req,), (events,) = _engine_run(model32, [_params(model32)], row_clocks)
+    assert any(not e.ends_canvas and e.token_ids for e in events)
+    assert [t for e in events for t in e.token_ids] == req.output
+    assert req.stats.skipped_body_rows > 0  # the prefix did move into the cache
+
+
+def test_the_cache_holds_what_a_plain_commit_of_the_final_ids_gives(model32, monkeypatch):
+    """After a canvas that moved part of its prefix early (the rest encoded at its commit) the row's cache equals,
+    slot for slot and layer by layer, a fresh prefill of the prompt followed by one encode of the ids committed."""
+    encodes = _spy(monkeypatch, model32, "encode")
+    engine = Engine(model32.module, model32.defaults.eos_token_ids or (), model32.pad_id)
+    prompt = model32.encode_prompt(PROMPT)
+    req = engine.add_request(prompt, _params(model32, max_new_tokens=200))
+    c, moved = model32.module.cfg.canvas_length, 0
+    while not moved:
+        canvases = len(req.stats.steps_per_canvas)
+        engine.step()
+        moved = req.moved if len(req.stats.steps_per_canvas) > canvases else 0
+    engine.step()  # the turnover encodes what the commit left, then the next canvas's first pass runs
+    assert len(req.output) % c == 0 and not req.finished
+    assert len(encodes) >= 2 and [t for ids in encodes for t in ids[0]] == req.output  # moved early, then the rest
+    cache = engine.batch.caches[0]
+    plain = model32.module.new_cache(1, len(prompt) + len(req.output) + c)
+    model32.module.prefill(torch.tensor([prompt]), plain)
+    model32.module.encode(torch.tensor([req.output]), plain)
+    n = len(req.output)
+    assert cache.positions[:, :len(prompt) + n].tolist() == plain.positions[:, :len(prompt) + n].tolist()
+    for layer in range(model32.module.cfg.text.num_hidden_layers):
+        for got, want in zip(cache.read(layer, len(prompt), n), plain.read(layer, len(prompt), n)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_passes_shrink_by_the_moved_prefix(model32, monkeypatch):
+    """The option's passes are narrower than the canvas by exactly the positions counted as left out of the body;
+    early commit alone runs every pass over the whole canvas."""
+    c = model32.module.cfg.canvas_length
+    plain = _spy(monkeypatch, model32, "denoise")
+    _engine_run(model32, [_params(model32, early_commit_cache=None)])
+    assert {w for w, _ in plain} == {c}
+    monkeypatch.undo()
+    moved = _spy(monkeypatch, model32, "denoise")
+    (req,), _ = _engine_run(model32, [_params(model32)])
+    assert min(w for w, _ in moved) < c
+    assert sum(c - w for w, _ in moved) == req.stats.skipped_body_rows > 0
+    assert all(not any(h or ()) for _, h in moved)  # alone, a row never hides positions
+
+
+def test_each_step_leaves_out_of_the_head_exactly_the_committed_prefix(model32, monkeypatch):
+    """The positions a step's head work skips are the ids of its canvas committed so far (sent early), no others."""
+    import dgemma.engine.engine as engine_module
+
+    engine = Engine(model32.module, model32.defaults.eos_token_ids or (), model32.pad_id)
+    req = engine.add_request(model32.encode_prompt(PROMPT), _params(model32))
+    seen, real = [], engine_module.fast_step
+
+    def spy(*args, reuse=None, **kw):
+        seen.append((req.sent, None if reuse is None else reuse.skip[0].tolist()))
+        return real(*args, reuse=reuse, **kw)
+
+    monkeypatch.setattr(engine_module, "fast_step", spy)
+    for _ in engine.stream():
+        pass
+    c = model32.module.cfg.canvas_length
+    assert any(sent for sent, _ in seen)
+    assert all((skip or [False] * c) == [j < sent for j in range(c)] for sent, skip in seen)
+
+
+def test_off_is_early_commit_alone(model32):
+    (plain, off), _ = _engine_run(model32, [_params(model32, early_commit_cache=None),
+                                             _params(model32, early_commit_cache=False)])
+    (alone,), _ = _engine_run(model32, [_params(model32, early_commit_cache=None)])
+    assert plain.output == off.output == alone.output
+    assert off.stats.skipped_body_rows == 0
+
+
+@pytest.mark.parametrize("row_clocks", [True, False])
+def test_batched_rows_with_different_frozen_lengths_match_their_runs_alone(model32, monkeypatch, row_clocks):
+    """Rows that freeze at different rates (and one without the option) batched together give each the ids it gives
+    alone: the pass starts at the smallest moved prefix, a row that moved more hides the rest from its canvas."""
+    params = [_params(model32, seed=1), _params(model32, seed=2, early_commit=3), model32.defaults.replace(
+        max_new_tokens=96, seed=4), _params(model32, seed=5)]
+    alone = [_engine_run(model32, [p])[0][0].output for p in params]
+    passes = _spy(monkeypatch, model32, "denoise")
+    reqs, events = _engine_run(model32, params, row_clocks)
+    assert [r.output for r in reqs] == alone
+    assert all([t for e in ev for t in e.token_ids] == r.output for r, ev in zip(reqs, events))
+    assert any(h and len(set(h)) > 1 for _, h in passes)  # some pass had rows with different hidden counts
+
+
+def test_refused_without_early_commit(model32, capsys):
+    for bad in ({"early_commit_cache": True}, {"early_commit_cache": 1, "early_commit": 2},
+                {"early_commit_cache": True, "early_commit": 2, "skip_settled": 1, "settled_kv_reuse": True}):
+        with pytest.raises(SamplingParamsError) as e:
+            SamplingParams(**bad)
+        assert e.value.param == "early_commit_cache"
+    from dgemma.cli import main
+
+    assert main(["generate", PROMPT, "--max-new-tokens", "8", "--early-commit-cache"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "early_commit_cache needs early_commit" in err and len(err.splitlines()) == 1

@@ -134,6 +134,10 @@ def test_saved_flops_counts_each_left_out_row(demo):
     pass_flops = diffusion_flops(cfg, 10, [2])["total"] - diffusion_flops(cfg, 10, [1])["total"]  # one more pass
     per_row = (pass_flops - 2 * c * h * v - 2 * c * h * v) / c  # less its head and soft embedding, per position
     assert saved_flops(cfg, {"skipped_body_rows": 4}, None, 10) == pytest.approx(4 * per_row)
+    # early_commit_cache encoding a last canvas costs about that canvas's commit (which the FLOP model leaves out)
+    second_step = diffusion_flops(cfg, 10 + c, [1])["total"] - diffusion_flops(cfg, 10 + c, [])["total"]
+    commit = diffusion_flops(cfg, 10, [1, 1])["total"] - diffusion_flops(cfg, 10, [1])["total"] - second_step
+    assert saved_flops(cfg, {"encoded_early": c}, None, 10) == pytest.approx(-commit, rel=0.05)
 
 
 @pytest.mark.parametrize("options,param", [({"soft_top_k": 0}, "soft_top_k"), ({"skip_settled": 0}, "skip_settled"),

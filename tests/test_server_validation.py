@@ -84,6 +84,8 @@ BAD = [
     ("drafts without stream", C, {"prompt": "hi", "dgemma_drafts": True}, 400, "dgemma_drafts"),
     ("unknown dgemma_sampling field", C, {"prompt": "hi", "dgemma_sampling": {"early_comit": 2}}, 400,
      "dgemma_sampling.early_comit"),
+    ("early_commit_cache without early_commit", C, {"prompt": "hi", "dgemma_sampling": {"early_commit_cache": True}},
+     400, "dgemma_sampling.early_commit_cache"),
     ("soft_top_k zero", C, {"prompt": "hi", "dgemma_sampling": {"soft_top_k": 0}}, 400, "dgemma_sampling.soft_top_k"),
     ("skip_settled float", C, {"prompt": "hi", "dgemma_sampling": {"skip_settled": 1.5}}, 400,
      "dgemma_sampling.skip_settled"),

@@ -63,14 +63,17 @@ def saved_flops(cfg: ModelConfig, stats: dict[str, Any], soft_top_k: int | None,
     """Matmul FLOPs of `diffusion_flops` that a request's opt-in savings spared, from its stats (engine/request.py):
     head rows and soft-embedding rows of settled positions left out (`skip_settled`: 2 V H each), soft embeddings
     over k entries instead of V (`soft_top_k`: 2 (V - k) H each), and canvas positions left out of the body
-    (`settled_kv_reuse`: a canvas position's share of a decoder pass after `context` cached tokens, and its
-    self-conditioning MLP)."""
+    (`settled_kv_reuse`, and `early_commit_cache`'s moved positions: a canvas position's share of a decoder pass
+    after `context` cached tokens, and its self-conditioning MLP), less the encoder pass over the ids of a last
+    canvas that `early_commit_cache` moved into the cache (`encoded_early`: the defaults never encode a last
+    canvas)."""
     t, c = cfg.text, cfg.canvas_length
     row = 2 * t.hidden_size * t.vocab_size
     sparse = 2 * t.hidden_size * max(t.vocab_size - (soft_top_k or t.vocab_size), 0)
     body = body_flops(t, c, context, causal=False) / c + 6 * t.hidden_size * t.intermediate_size
     return row * (stats.get("skipped_head_rows", 0) + stats.get("skipped_soft_rows", 0)) \
-        + sparse * stats.get("sparse_soft_rows", 0) + body * stats.get("skipped_body_rows", 0)
+        + sparse * stats.get("sparse_soft_rows", 0) + body * stats.get("skipped_body_rows", 0) \
+        - body_flops(t, 1, context, causal=True) * stats.get("encoded_early", 0)
 
 
 def autoregressive_flops(cfg: ModelConfig, prompt_len: int, tokens: int) -> dict[str, float]:

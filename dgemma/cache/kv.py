@@ -120,9 +120,10 @@ class KVCache:
         """What the causal encoder's n new tokens at `start` see (`views.encoder_span`; `groups`: image runs)."""
         return views.encoder_span(self, start, n, sliding, groups)
 
-    def decoder_span(self, n: int, sliding: bool) -> views.Span:
-        """What a canvas of n tokens after the cached ones sees (`views.decoder_span`)."""
-        return views.decoder_span(self, self.length, n, sliding)
+    def decoder_span(self, n: int, sliding: bool, hide: int = 0) -> views.Span:
+        """What a canvas of n tokens after the cached ones sees (`views.decoder_span`; `hide`: its first positions
+        left out, as the cache holds them)."""
+        return views.decoder_span(self, self.length, n, sliding, hide)
 
     def context_span(self, context: Tensor, n: int, sliding: bool) -> views.Span:
         """Training: what a canvas after each row's first context[b] cached tokens sees (`views.context_span`)."""

@@ -100,15 +100,17 @@ def encoder_span(cache: KVCache, start: int, n: int, sliding: bool, groups: Tens
     return Span(lo, CausalMask(kv, q, window if sliding else None, valid, groups))
 
 
-def decoder_span(cache: KVCache, start: int, n: int, sliding: bool) -> Span:
-    """The canvas sees all of itself and the valid cached slots; the cache knows on the host whether any visible
-    slot is padding, so the unpadded case needs no device read and no mask."""
+def decoder_span(cache: KVCache, start: int, n: int, sliding: bool, hide: int = 0) -> Span:
+    """The canvas sees all of itself but its first `hide` positions (those the cache holds already: early commit)
+    and the valid cached slots; the cache knows on the host whether any visible slot is padding, so the unpadded
+    case needs no device read and no mask."""
     lo = cache.window_start(sliding, start)
     first, slots = cache.layout(sliding, lo, start, n)
-    if first >= lo and not cache.has_padding(lo):
+    if first >= lo and not cache.has_padding(lo) and not hide:
         return Span(lo)
     kv = torch.arange(first, start + n, device=cache.valid.device) if slots is None else slots
     mask = (kv >= lo)[None] & (_valid(cache, kv, slots, first, start + n) | (kv >= start)[None])
+    mask &= ~((kv >= start) & (kv < start + hide))[None]
     return Span(lo, mask[:, None, None, :])
 
 

@@ -22,7 +22,7 @@ import torch
 
 from dgemma.cache import PrefixCache
 from dgemma.engine.batch import Canvas
-from dgemma.engine.features import FEATURES, Feature, Step, settled
+from dgemma.engine.features import FEATURES, Feature, Step, early_cache, settled
 from dgemma.engine.request import Event, Request
 from dgemma.engine.runner import Runner
 from dgemma.engine.scheduler import Batch, Scheduler, prefill_groups
@@ -110,12 +110,14 @@ class Engine(Runner):
             b.canvas.extend(self._fresh(joined))
 
     def _encode_pending(self, b: Batch) -> list[int]:
-        """Encode the committed canvases of the rows still in the batch; returns their indices."""
+        """Encode the committed canvases of the rows still in the batch (what early commit did not move into their
+        caches already), rows with as many ids together; returns their indices."""
         at = {id(r): i for i, r in enumerate(b.rows)}
         going = [(at[id(r)], ids) for r, ids in b.pending if id(r) in at]
         b.pending = []
-        if going:
-            self.model.encode(torch.stack([ids for _, ids in going]), [b.caches[i] for i, _ in going])
+        for n in sorted({len(ids) for _, ids in going}):
+            group = [(i, ids) for i, ids in going if len(ids) == n]
+            self.model.encode(torch.stack([ids for _, ids in group]), [b.caches[i] for i, _ in group])
         return [i for i, _ in going]
 
     def _fresh(self, rows: list[Request]) -> Canvas:
@@ -133,8 +135,10 @@ class Engine(Runner):
             return  # aborted rows leave mid-canvas, so they stop costing compute
         cv, model = b.canvas, self.model
         self._count(cv)
+        early_cache.move(model, b.rows, cv, b.caches)
         reuse = settled.reuse(b.rows, cv)
-        hidden = settled.denoise(model, b.rows, cv, b.caches, reuse)
+        moved = early_cache.denoise(model, b.rows, cv, b.caches, reuse)
+        hidden, reuse = moved or (settled.denoise(model, b.rows, cv, b.caches, reuse), reuse)
         inv_temp = 1.0 / cv.temperature()
         out, signal = fast_step(hidden, model.lm_head, inv_temp, cv.entropy_bound, [r.generator for r in b.rows],
                                 cv.done, want_signal=not cv.last_step(b.rows),
@@ -154,11 +158,19 @@ class Engine(Runner):
         if self.row_clocks:
             ended = [i for i, (d, r) in enumerate(zip(cv.done, b.rows)) if d and not r.finished]
             if ended:
-                b.pending = list(zip([b.rows[i] for i in ended], cv.commit(b.rows, self.pad_id, events, ended)))
+                b.pending = _unmoved([b.rows[i] for i in ended], cv.commit(b.rows, self.pad_id, events, ended))
         elif cv.all_done(b.rows, finished_rows_count=False):
-            b.pending, b.canvas = list(zip(b.rows, cv.commit(b.rows, self.pad_id, events))), None
+            b.pending, b.canvas = _unmoved(b.rows, cv.commit(b.rows, self.pad_id, events)), None
 
     def _count(self, cv: Canvas) -> None:
         self.stats.passes += 1
         self.stats.rows += len(cv.done)
         self.stats.done_rows += sum(cv.done)
+
+
+def _unmoved(rows: list[Request], canvases: torch.Tensor) -> list[tuple[Request, torch.Tensor]]:
+    """Each committed canvas [C] less what early commit moved into its row's cache; a row that finished with it
+    counts those as encoded early (an encoder pass the defaults never run on a last canvas)."""
+    for r in rows:
+        r.stats.encoded_early += r.moved if r.finished else 0
+    return [(r, ids[r.moved:]) for r, ids in zip(rows, canvases)]

@@ -25,7 +25,8 @@ class Stats:
     skipped_head_rows: int = 0
     skipped_soft_rows: int = 0
     sparse_soft_rows: int = 0
-    skipped_body_rows: int = 0  # canvas positions left out of the body (settled_kv_reuse)
+    skipped_body_rows: int = 0  # canvas positions left out of the body (settled_kv_reuse, early_commit_cache)
+    encoded_early: int = 0  # ids of a last canvas encoded into the cache (early_commit_cache): extra work
     t_arrival: float = field(default_factory=time.perf_counter)
     t_start: float | None = None
     t_first_commit: float | None = None
@@ -41,6 +42,7 @@ class Stats:
             "skipped_soft_rows": self.skipped_soft_rows,
             "sparse_soft_rows": self.sparse_soft_rows,
             "skipped_body_rows": self.skipped_body_rows,
+            "encoded_early": self.encoded_early,
             "tokens_per_forward": (n_tokens + self.eos_tokens) / self.decoder_passes if self.decoder_passes else 0.0,
             "seconds": seconds,
             "queue_seconds": (self.t_start or self.t_arrival) - self.t_arrival,
@@ -64,6 +66,7 @@ class Request:
     seeded: SeedState | None = None  # its progress through a seeded layout (fixed tokens and holes)
     canvas_logprobs: list[Entry] | None = None  # this canvas's, when params.logprobs is set (sampling/logprobs.py)
     sent: int = 0  # ids of this canvas committed early (params.early_commit), ahead of its commit
+    moved: int = 0  # of those, ids already encoded into the cache (params.early_commit_cache)
     early: Any = None  # early commit's history of this canvas (engine/features/early_commit.py)
     latency: Any = None  # a latency target's state: the request's own step cap (engine/features/latency.py)
     settled: Any = None  # per-position settled runs, when params.skip_settled is set (engine/features/settled.py)

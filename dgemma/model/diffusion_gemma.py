@@ -175,7 +175,7 @@ class DiffusionGemma(nn.Module):
 
     def denoise(self, canvas: torch.Tensor, cache: Caches, signal: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, context: torch.Tensor | None = None,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
+                keep: torch.Tensor | None = None, hide: list[int] | None = None) -> torch.Tensor:
         """Bidirectional pass over canvas [B, C] attending to the cache (or caches, as in `encode`); returns normed
         hidden [B, C, H].
 
@@ -184,6 +184,9 @@ class DiffusionGemma(nn.Module):
         context[b] cached tokens and leaves the cache untouched; `positions` then default to context[b] + arange(C).
         `keep` [B, m] (inference): run only these positions, returning [B, m, H]; the others' keys and values are
         those the canvas's previous pass left in the cache (an approximation once their inputs moved on).
+        `hide` (inference, one entry per cache): each cache's first canvas positions that the cache already holds
+        (early commit moved them there), left out of what the canvas sees; the canvas's positions continue from
+        the cached ones.
         """
         n, caches = canvas.shape[1], _listed(cache)
         if keep is not None:
@@ -196,9 +199,13 @@ class DiffusionGemma(nn.Module):
                 positions = context[:, None] + torch.arange(n, device=canvas.device)
             parts = {s: [Part(c, c.length, c.context_span(context, n, s))] for s in (True, False)}
             return self.norm(self._run(x, parts, n, positions, encoder=False, write=False))
+        hide = hide or [0] * len(caches)
         for c in caches:
             c.scratch(n)
-        parts = {s: [Part(c, c.length, c.decoder_span(n, s)) for c in caches] for s in (True, False)}
+        if any(hide):
+            positions = torch.cat([torch.arange(c.length - h, c.length - h + n, device=canvas.device)
+                                   .expand(c.batch_size, n) for c, h in zip(caches, hide)])
+        parts = {s: [Part(c, c.length, c.decoder_span(n, s, h)) for c, h in zip(caches, hide)] for s in (True, False)}
         return self.norm(self._run(x, parts, n, positions, encoder=False, keep=None if keep is None else (keep, n)))
 
     def _run(self, x, parts, n, positions, encoder, write=True, keep=None):

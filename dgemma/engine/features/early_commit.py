@@ -28,7 +28,7 @@ class History:
 class EarlyCommit(Feature):
     def start(self, rows: list[Request], tokens: Tensor) -> None:
         for r in rows:
-            r.sent, r.early = 0, None
+            r.sent, r.moved, r.early = 0, 0, None
 
     def step(self, s: Step) -> None:
         held = [i for i, r in enumerate(s.rows) if r.sent and not r.finished and not s.canvas.done[i]]
