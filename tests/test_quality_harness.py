@@ -74,6 +74,14 @@ def test_held_out_examples_never_repeat_a_training_prompt():
     assert len(held) == 200 and not train & {e.prompt for e in held}
 
 
+def test_the_evaluation_set_asks_no_training_prompt():
+    chosen = tasks.evaluation_set(40, ("json", "copy"), n_train=6000)
+    train = {e.prompt for e in tasks.examples(6000, 0)}  # train.py's training set of that size (seed 0)
+    assert [e.task for e in chosen] == ["json", "copy"] * 40
+    assert len({e.prompt for e in chosen}) == 80 and not train & {e.prompt for e in chosen}
+    assert any(e.prompt in train for e in tasks.examples(80, 2, ("json",)))  # the draw alone would repeat some
+
+
 def test_variants_are_chosen_by_name_or_given_as_json():
     chosen = harness.choose_variants("max_steps_8", ['four={"max_denoising_steps": 4}'])
     assert chosen == {"defaults": {}, "max_steps_8": {"max_denoising_steps": 8}, "four": {"max_denoising_steps": 4}}

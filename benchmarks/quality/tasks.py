@@ -70,6 +70,10 @@ def to_json(rng: random.Random) -> tuple[str, str]:
 TASKS = {"copy": copy, "reverse": reverse, "sort": sort, "inc": increment, "recall": recall, "json": to_json}
 
 
+TRAIN_SEED, VALID_SEED, EVAL_SEED = 0, 1, 2  # train.py's data and evaluate.py's examples
+TRAIN_EXAMPLES = 20_000  # train.py's default training set
+
+
 def examples(n: int, seed: int, tasks: tuple[str, ...] = tuple(TASKS)) -> list[Example]:
     """n examples cycling through `tasks`; the same (n, seed, tasks) always gives the same list."""
     rng = random.Random(seed)
@@ -82,13 +86,23 @@ def examples(n: int, seed: int, tasks: tuple[str, ...] = tuple(TASKS)) -> list[E
 
 
 def held_out(n: int, seed: int, train: set[str], tasks: tuple[str, ...] = tuple(TASKS)) -> list[Example]:
-    """n examples whose prompts are not in `train` (the evaluation set never repeats a training prompt)."""
-    out, offset = [], 0
+    """n examples with distinct prompts, none of them in `train` (a held-out set never repeats a training prompt)."""
+    out, seen, offset = [], set(train), 0
     while len(out) < n:
-        batch = [e for e in examples(n, seed + offset, tasks) if e.prompt not in train]
-        out += batch[:n - len(out)]
+        for e in examples(n, seed + offset, tasks):
+            if e.prompt not in seen and len(out) < n:
+                out.append(e)
+                seen.add(e.prompt)
         offset += 1
     return out
+
+
+def evaluation_set(per_task: int, names: tuple[str, ...], n_train: int = TRAIN_EXAMPLES) -> list[Example]:
+    """per_task examples of each task from EVAL_SEED, none of them a prompt of the first n_train training examples
+    (so the harness scores answers, not memory), interleaved task by task."""
+    train = {e.prompt for e in examples(n_train, TRAIN_SEED)}
+    per = [held_out(per_task, EVAL_SEED, train, (t,)) for t in names]
+    return [e for group in zip(*per) for e in group]
 
 
 def is_correct(example: Example, output: str) -> bool:

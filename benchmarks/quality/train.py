@@ -18,8 +18,6 @@ import tasks  # noqa: E402
 from dgemma.api import DEMO_MODEL  # noqa: E402
 from dgemma.errors import DgemmaError  # noqa: E402
 
-TRAIN_SEED, VALID_SEED = 0, 1  # the evaluation draws from seed 2 upwards, minus any training prompt
-
 # a 4-layer body on the bundled model's tokenizer (4,096 tokens), canvas 10: every answer fits one canvas
 MODEL_CONFIG = {
     "canvas_length": 10,
@@ -49,9 +47,9 @@ def train_config(args: argparse.Namespace, data: Path) -> dict:
 
 def write_data(directory: Path, n_train: int) -> None:
     """train.jsonl / valid.jsonl (chat form), rewritten identically on every run (the same seeds)."""
-    train = tasks.examples(n_train, TRAIN_SEED)
+    train = tasks.examples(n_train, tasks.TRAIN_SEED)
     tasks.write_jsonl(directory / "train.jsonl", train)
-    tasks.write_jsonl(directory / "valid.jsonl", tasks.held_out(256, VALID_SEED, {e.prompt for e in train}))
+    tasks.write_jsonl(directory / "valid.jsonl", tasks.held_out(256, tasks.VALID_SEED, {e.prompt for e in train}))
 
 
 def main() -> int:
@@ -61,7 +59,7 @@ def main() -> int:
     p.add_argument("--max-minutes", type=float, default=50.0, help="stop and export after this much training time")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--train-examples", type=int, default=20_000)
+    p.add_argument("--train-examples", type=int, default=tasks.TRAIN_EXAMPLES)
     p.add_argument("--save-minutes", type=float, default=3.0, help="a resumable training state at least this often")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
