@@ -104,8 +104,10 @@ def _lookup(table: torch.Tensor, codes: torch.Tensor, out: torch.Tensor | None =
 
 
 def _staging(out: torch.Tensor) -> torch.Tensor:
-    """A reused float32 buffer shaped like `out`: the decode multiplies in float32 and rounds once into `out`."""
-    return workspace(out.numel(), torch.float32, out.device, fresh=False, use="nvfp4").view(out.shape)
+    """A float32 buffer shaped like `out`: the decode multiplies in float32 and rounds once into `out`. Reused on the
+    CPU (a fresh one costs page faults); fresh on accelerators, whose caching allocator makes it cheap."""
+    fresh = out.device.type != "cpu"
+    return workspace(out.numel(), torch.float32, out.device, fresh, use="nvfp4").view(out.shape)
 
 
 def _check_nvfp4(name: str, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor) -> None:
