@@ -21,7 +21,7 @@ import math
 import torch
 
 from dgemma.errors import CheckpointError
-from dgemma.quant.base import QuantizedWeight
+from dgemma.quant.base import QuantizedWeight, workspace
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 NVFP4_GROUP = 16
@@ -65,18 +65,19 @@ class NVFP4Weight(QuantizedWeight):
         self.register_buffer("scales", scales)
         self.register_buffer("global_scale", global_scale.float())
         self.register_buffer("pairs", _pairs(packed.device), persistent=False)
+        self.register_buffer("e4m3", _e4m3(packed.device), persistent=False)
 
     @property
     def group_size(self) -> int:
         return NVFP4_GROUP
 
     def _decode(self, sel, out: torch.Tensor) -> None:
-        p = self.packed[sel]
-        scale = self.scales[sel].float()
+        codes, s = self.packed[sel], self.scales[sel]
+        scale = _lookup(self.e4m3, s.view(torch.uint8)).view(s.shape)
         g = self.global_scale[sel]
-        scale = scale / g if self.divide else scale * g
-        values = out if out.dtype == torch.float32 else torch.empty(out.shape, device=out.device)
-        torch.index_select(self.pairs, 0, p.reshape(-1).int(), out=values.view(-1, 2))  # one gather per byte
+        scale = scale.div_(g) if self.divide else scale.mul_(g)
+        values = out if out.dtype == torch.float32 else _staging(out)
+        _lookup(self.pairs, codes, values.view(torch.int64).view(-1))  # one gather of 8 bytes per code byte
         values.view(*out.shape[:-1], -1, NVFP4_GROUP).mul_(scale[..., None])
         if values is not out:
             out.copy_(values)
@@ -86,9 +87,27 @@ class NVFP4Weight(QuantizedWeight):
 
 
 def _pairs(device) -> torch.Tensor:
-    """[256, 2] float32: the two E2M1 values (low nibble first) of every code byte."""
+    """[256] int64: the two float32 E2M1 values (low nibble first) of every code byte, as one 8-byte word each: a 1-D
+    gather moves both at once (a [256, 2] row gather is ~10x slower on CPU)."""
     table, byte = torch.tensor(E2M1, device=device), torch.arange(256, device=device)
-    return torch.stack([table[byte & 15], table[byte >> 4]], dim=-1)
+    return torch.stack([table[byte & 15], table[byte >> 4]], dim=-1).view(torch.int64).view(-1)
+
+
+def _e4m3(device) -> torch.Tensor:
+    """[256] float32: torch's own value of every E4M3 byte (NaN included); a gather is ~4x faster than `.float()`."""
+    return torch.arange(256, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn).float()
+
+
+def _lookup(table: torch.Tensor, codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """table[codes] flattened, through a 1-D index_select (int32 indices: cheaper to make than int64)."""
+    return torch.index_select(table, 0, codes.reshape(-1).int(), out=out)
+
+
+def _staging(out: torch.Tensor) -> torch.Tensor:
+    """A float32 buffer shaped like `out`: the decode multiplies in float32 and rounds once into `out`. Reused on the
+    CPU (a fresh one costs page faults); fresh on accelerators, whose caching allocator makes it cheap."""
+    fresh = out.device.type != "cpu"
+    return workspace(out.numel(), torch.float32, out.device, fresh, use="nvfp4").view(out.shape)
 
 
 def _check_nvfp4(name: str, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor) -> None:
