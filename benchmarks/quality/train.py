@@ -55,8 +55,8 @@ def write_data(directory: Path, n_train: int) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("runs/quality"), help="run directory (final/ is the model)")
-    p.add_argument("--steps", type=int, default=1800, help="optimizer steps (the cosine schedule's length)")
-    p.add_argument("--max-minutes", type=float, default=50.0, help="stop and export after this much training time")
+    p.add_argument("--steps", type=int, default=10000, help="optimizer steps (the cosine schedule's length)")
+    p.add_argument("--max-minutes", type=float, default=120.0, help="stop and export after this much training time")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--train-examples", type=int, default=tasks.TRAIN_EXAMPLES)
