@@ -27,7 +27,8 @@ def recompute(example: tasks.Example) -> str:
     if example.task == "inc":
         return "".join("0123456789"[("0123456789".index(d) + 1) % 10] for d in words[1])
     if example.task == "recall":
-        return dict(w.split("=") for w in words[:-1])[words[-1].removeprefix("?")]
+        pairs, key = example.prompt.split("?")
+        return dict(pair.split("=") for pair in pairs.split(","))[key]
     fields = [w.split("=") for w in words[1:]]
     return "{" + ",".join(f'"{k}":{int(v)}' for k, v in fields) + "}"
 

@@ -51,12 +51,13 @@ def increment(rng: random.Random) -> tuple[str, str]:
 
 
 def recall(rng: random.Random) -> tuple[str, str]:
-    """Key-value recall: 3-5 one-letter keys with one-digit values, then the key asked for."""
+    """Key-value recall: 3-5 one-letter keys with one-digit values, then the key asked for. Written without spaces
+    (`b=6,a=6,m=8?a`) so that a key is the same token in its pair and after `?`."""
     keys = rng.sample(KEYS, rng.randint(3, 5))
     values = {k: rng.choice(string.digits) for k in keys}
-    pairs = " ".join(f"{k}={v}" for k, v in values.items())
+    pairs = ",".join(f"{k}={v}" for k, v in values.items())
     key = rng.choice(keys)
-    return f"{pairs} ?{key}", values[key]
+    return f"{pairs}?{key}", values[key]
 
 
 def to_json(rng: random.Random) -> tuple[str, str]:
