@@ -27,9 +27,10 @@ def recompute(example: tasks.Example) -> str:
     if example.task == "inc":
         return "".join("0123456789"[("0123456789".index(d) + 1) % 10] for d in words[1])
     if example.task == "recall":
-        pairs, key = example.prompt.split("?")
-        return dict(pair.split("=") for pair in pairs.split(","))[key]
-    fields = [w.split("=") for w in words[1:]]
+        pairs, asked = example.prompt.split("?")
+        values = dict(pair.split("=") for pair in pairs.split(","))
+        return ",".join(values[key] for key in asked.split(","))
+    fields = [field.split("=") for field in words[1].split(",")]
     return "{" + ",".join(f'"{k}":{int(v)}' for k, v in fields) + "}"
 
 
@@ -40,25 +41,45 @@ def test_examples_are_seeded_and_cycle_through_the_tasks():
     assert [e.task for e in tasks.examples(4, 0, ("sort", "inc"))] == ["sort", "inc", "sort", "inc"]
 
 
-def test_answers_match_an_independent_computation():
-    for example in tasks.examples(600, 3):
+@pytest.mark.parametrize("harness_name", list(tasks.HARNESSES))
+def test_answers_match_an_independent_computation(harness_name):
+    for example in tasks.examples(600, 3, size=tasks.HARNESSES[harness_name]):
         assert example.answer == recompute(example), example
-    json_answers = [e.answer for e in tasks.examples(60, 3) if e.task == "json"]
+    json_answers = [e.answer for e in tasks.examples(60, 3, size=tasks.HARNESSES[harness_name]) if e.task == "json"]
     assert all(isinstance(json.loads(a), dict) for a in json_answers)
 
 
-def test_answers_fit_one_canvas_of_the_harness_checkpoint():
-    tok = Tokenizer(DEMO_MODEL)
-    canvas = harness_canvas()
-    for example in tasks.examples(600, 4):
-        assert len(tok.encode(example.answer, add_bos=False)) + 1 <= canvas  # + the closing <end_of_turn>
+def test_the_long_harness_asks_for_longer_answers():
+    short, long = (tasks.examples(600, 3, size=tasks.HARNESSES[h]) for h in ("short", "long"))
+    for task in ("copy", "reverse", "sort", "inc"):
+        assert max(len(e.answer) for e in short if e.task == task) == 7
+        assert {len(e.answer) for e in long if e.task == task} == set(range(10, 21))
+    assert {len(json.loads(e.answer)) for e in long if e.task == "json"} == {3}
+    assert {e.answer.count(",") for e in long if e.task == "recall"} == {2}  # three keys asked
 
 
-def harness_canvas() -> int:
+@pytest.mark.parametrize("harness_name", list(tasks.HARNESSES))
+def test_answers_fit_one_canvas_of_the_harness_checkpoint(harness_name):
+    tok, size = Tokenizer(DEMO_MODEL), tasks.HARNESSES[harness_name]
+    config = train_script().model_config(size)
+    assert config["canvas_length"] == size.canvas
+    for example in tasks.examples(600, 4, size=size):
+        assert len(tok.encode(example.answer, add_bos=False)) + 1 <= size.canvas  # + the closing <end_of_turn>
+
+
+def train_script():
     sys.path.insert(0, str(Path(tasks.__file__).parent))
     import train
 
-    return train.MODEL_CONFIG["canvas_length"]
+    return train
+
+
+def test_a_checkpoint_records_its_harness(tmp_path):
+    assert tasks.read_harness(tmp_path) == ("short", tasks.TRAIN_EXAMPLES)  # checkpoints from before the record
+    tasks.write_harness(tmp_path, "long", 1234)
+    assert tasks.read_harness(tmp_path) == ("long", 1234)
+    long = tasks.evaluation_set(5, ("copy",), 1234, tasks.HARNESSES["long"])
+    assert all(len(e.answer) >= 10 for e in long)
 
 
 def test_checker_scores_right_answers_right_and_wrong_ones_wrong():

@@ -254,8 +254,9 @@ def main() -> int:
     p.add_argument("--dtype", default="float32", help="weights dtype (float32: the same numbers on every CPU)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0, help="decoding seeds: seed + example index")
-    p.add_argument("--train-examples", type=int, default=tasks.TRAIN_EXAMPLES,
-                   help="the checkpoint's training set size (train.py --train-examples): its prompts are never asked")
+    p.add_argument("--train-examples", type=int, default=None,
+                   help="the checkpoint's training set size (train.py --train-examples; default: what the checkpoint "
+                   "records): its prompts are never asked")
     p.add_argument("--nll-model", default=None, help="model of the held-out likelihood (default: the bundled one)")
     p.add_argument("--nll-text", type=Path, default=HELDOUT, help="held-out plain text")
     p.add_argument("--no-nll", action="store_true", help="skip the held-out likelihood")
@@ -279,12 +280,14 @@ def run(args: argparse.Namespace) -> int:
     common = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {}
     variants = choose_variants(args.variants, args.variant)
     check_variants(model, {name: {**common, **v} for name, v in variants.items()})
-    examples = tasks.evaluation_set(args.per_task, names, args.train_examples)
+    harness, n_train = tasks.read_harness(model.directory)
+    n_train = args.train_examples or n_train
+    examples = tasks.evaluation_set(args.per_task, names, n_train, tasks.HARNESSES[harness])
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     start_load = load_average()
     report = {"schema": SCHEMA, "model": str(model.directory), "machine": machine(),
               "settings": {"per_task": args.per_task, "tasks": list(names), "examples_seed": tasks.EVAL_SEED,
-                           "train_examples_excluded": args.train_examples,
+                           "harness": harness, "train_examples_excluded": n_train,
                            "decode_seed": args.seed, "dtype": args.dtype, "batch": 1, "common": common},
               **evaluate(model, examples, variants, args.seed, common, log)}
     report["machine"]["load_average"] = [start_load, load_average()]

@@ -1,7 +1,8 @@
 """The quality harness's tasks: short prompts whose answers are checked exactly, generated deterministically from a
-seed. Every answer and its closing <end_of_turn> fit one canvas of the harness checkpoint (10 positions) in the
-bundled tokenizer, where digits and letters written without spaces are one token each. Sizes are chosen so that the
-checkpoint learns them in a few tens of CPU-minutes (docs/performance.md, "Quality harness")."""
+seed, in two sizes (HARNESSES): short answers in a canvas of 10 and longer ones in a canvas of 32. Every answer and
+its closing <end_of_turn> fit one canvas of its harness's checkpoint in the bundled tokenizer, where digits and letters
+written without spaces are one token each. Sizes are chosen so that the checkpoint learns them in about an hour of
+CPU (docs/performance.md, "Quality harness")."""
 
 from __future__ import annotations
 
@@ -25,46 +26,63 @@ class Example:
         return [{"role": "user", "content": self.prompt}, {"role": "assistant", "content": self.answer}]
 
 
+@dataclass(frozen=True)
+class Sizes:
+    """A harness's sizes: its checkpoint's canvas and how long the tasks get. Every answer and its closing
+    <end_of_turn> fit one canvas."""
+    canvas: int
+    digits: tuple[int, int]  # digit strings of copy / reverse / sort / inc (a range)
+    pairs: tuple[int, int]  # recall: key-value pairs shown (a range)
+    asked: int  # recall: keys asked, their values answered in order, comma-separated
+    fields: int  # json: fields
+
+
+# short: ~5-token answers, about two decoder passes each; long: 5-21-token answers in a canvas of 32, where the
+# defaults take many steps per canvas (room for early commit and early stops)
+HARNESSES = {"short": Sizes(10, (3, 7), (3, 5), 1, 1), "long": Sizes(32, (10, 20), (6, 10), 3, 3)}
+SHORT = HARNESSES["short"]
+
+
 def _digits(rng: random.Random, low: int, high: int) -> str:
     return "".join(rng.choice(string.digits) for _ in range(rng.randint(low, high)))
 
 
-def copy(rng: random.Random) -> tuple[str, str]:
-    s = _digits(rng, 3, 7)
+def copy(rng: random.Random, size: Sizes) -> tuple[str, str]:
+    s = _digits(rng, *size.digits)
     return f"copy {s}", s
 
 
-def reverse(rng: random.Random) -> tuple[str, str]:
-    s = _digits(rng, 3, 7)
+def reverse(rng: random.Random, size: Sizes) -> tuple[str, str]:
+    s = _digits(rng, *size.digits)
     return f"reverse {s}", s[::-1]
 
 
-def sort(rng: random.Random) -> tuple[str, str]:
-    s = _digits(rng, 3, 7)
+def sort(rng: random.Random, size: Sizes) -> tuple[str, str]:
+    s = _digits(rng, *size.digits)
     return f"sort {s}", "".join(sorted(s))
 
 
-def increment(rng: random.Random) -> tuple[str, str]:
+def increment(rng: random.Random, size: Sizes) -> tuple[str, str]:
     """Digit arithmetic without carries: each digit plus one, modulo 10."""
-    s = _digits(rng, 3, 7)
+    s = _digits(rng, *size.digits)
     return f"inc {s}", "".join(str((int(d) + 1) % 10) for d in s)
 
 
-def recall(rng: random.Random) -> tuple[str, str]:
-    """Key-value recall: 3-5 one-letter keys with one-digit values, then the key asked for. Written without spaces
+def recall(rng: random.Random, size: Sizes) -> tuple[str, str]:
+    """Key-value recall: one-letter keys with one-digit values, then the keys asked for. Written without spaces
     (`b=6,a=6,m=8?a`) so that a key is the same token in its pair and after `?`."""
-    keys = rng.sample(KEYS, rng.randint(3, 5))
+    keys = rng.sample(KEYS, rng.randint(*size.pairs))
     values = {k: rng.choice(string.digits) for k in keys}
     pairs = ",".join(f"{k}={v}" for k, v in values.items())
-    key = rng.choice(keys)
-    return f"{pairs}?{key}", values[key]
+    asked = rng.sample(keys, size.asked)
+    return f"{pairs}?{','.join(asked)}", ",".join(values[k] for k in asked)
 
 
-def to_json(rng: random.Random) -> tuple[str, str]:
-    """A JSON object with the given field, compact."""
-    keys = rng.sample(KEYS, 1)
+def to_json(rng: random.Random, size: Sizes) -> tuple[str, str]:
+    """A JSON object with the given fields, compact, in the order given."""
+    keys = rng.sample(KEYS, size.fields)
     values = {k: rng.randint(0, 99) for k in keys}
-    fields = " ".join(f"{k}={v}" for k, v in values.items())
+    fields = ",".join(f"{k}={v}" for k, v in values.items())
     return f"json {fields}", json.dumps(values, separators=(",", ":"))
 
 
@@ -73,24 +91,26 @@ TASKS = {"copy": copy, "reverse": reverse, "sort": sort, "inc": increment, "reca
 
 TRAIN_SEED, VALID_SEED, EVAL_SEED = 0, 1, 2  # train.py's data and evaluate.py's examples
 TRAIN_EXAMPLES = 20_000  # train.py's default training set
+HARNESS_FILE = "harness.json"  # in a harness checkpoint: which harness it learned, from how many examples
 
 
-def examples(n: int, seed: int, tasks: tuple[str, ...] = tuple(TASKS)) -> list[Example]:
-    """n examples cycling through `tasks`; the same (n, seed, tasks) always gives the same list."""
+def examples(n: int, seed: int, tasks: tuple[str, ...] = tuple(TASKS), size: Sizes = SHORT) -> list[Example]:
+    """n examples cycling through `tasks`; the same (n, seed, tasks, size) always gives the same list."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
         task = tasks[i % len(tasks)]
-        prompt, answer = TASKS[task](rng)
+        prompt, answer = TASKS[task](rng, size)
         out.append(Example(task, prompt, answer))
     return out
 
 
-def held_out(n: int, seed: int, train: set[str], tasks: tuple[str, ...] = tuple(TASKS)) -> list[Example]:
+def held_out(n: int, seed: int, train: set[str], tasks: tuple[str, ...] = tuple(TASKS),
+             size: Sizes = SHORT) -> list[Example]:
     """n examples with distinct prompts, none of them in `train` (a held-out set never repeats a training prompt)."""
     out, seen, offset = [], set(train), 0
     while len(out) < n:
-        for e in examples(n, seed + offset, tasks):
+        for e in examples(n, seed + offset, tasks, size):
             if e.prompt not in seen and len(out) < n:
                 out.append(e)
                 seen.add(e.prompt)
@@ -98,12 +118,27 @@ def held_out(n: int, seed: int, train: set[str], tasks: tuple[str, ...] = tuple(
     return out
 
 
-def evaluation_set(per_task: int, names: tuple[str, ...], n_train: int = TRAIN_EXAMPLES) -> list[Example]:
+def evaluation_set(per_task: int, names: tuple[str, ...], n_train: int = TRAIN_EXAMPLES,
+                   size: Sizes = SHORT) -> list[Example]:
     """per_task examples of each task from EVAL_SEED, none of them a prompt of the first n_train training examples
     (so the harness scores answers, not memory), interleaved task by task."""
-    train = {e.prompt for e in examples(n_train, TRAIN_SEED)}
-    per = [held_out(per_task, EVAL_SEED, train, (t,)) for t in names]
+    train = {e.prompt for e in examples(n_train, TRAIN_SEED, size=size)}
+    per = [held_out(per_task, EVAL_SEED, train, (t,), size) for t in names]
     return [e for group in zip(*per) for e in group]
+
+
+def write_harness(model_dir: Path, name: str, n_train: int) -> None:
+    """Record in a checkpoint which harness it learned and from how many training examples."""
+    (model_dir / HARNESS_FILE).write_text(json.dumps({"harness": name, "train_examples": n_train}) + "\n")
+
+
+def read_harness(model_dir: Path) -> tuple[str, int]:
+    """(harness name, training examples) of a checkpoint; one without the record learned the short harness."""
+    path = Path(model_dir) / HARNESS_FILE
+    if not path.is_file():
+        return "short", TRAIN_EXAMPLES
+    record = json.loads(path.read_text())
+    return record["harness"], record["train_examples"]
 
 
 def is_correct(example: Example, output: str) -> bool:

@@ -18,7 +18,8 @@ import tasks  # noqa: E402
 from dgemma.api import DEMO_MODEL  # noqa: E402
 from dgemma.errors import DgemmaError  # noqa: E402
 
-# a 4-layer body on the bundled model's tokenizer (4,096 tokens), canvas 10: every answer fits one canvas
+# a 4-layer body on the bundled model's tokenizer (4,096 tokens), canvas 10 (the short harness's): every answer fits
+# one canvas; model_config gives another harness its canvas
 MODEL_CONFIG = {
     "canvas_length": 10,
     "text_config": {
@@ -33,28 +34,40 @@ MODEL_CONFIG = {
 GENERATION = {"max_new_tokens": 10, "max_denoising_steps": 32, "entropy_bound": 1.0, "t_max": 0.6, "t_min": 0.3}
 
 
+def model_config(size: tasks.Sizes) -> dict:
+    """MODEL_CONFIG with the harness's canvas; a sliding window that sees a long prompt and its canvas whole."""
+    if size == tasks.SHORT:
+        return MODEL_CONFIG
+    text = MODEL_CONFIG["text_config"] | {"sliding_window": 128}
+    return MODEL_CONFIG | {"canvas_length": size.canvas, "text_config": text}
+
+
 def train_config(args: argparse.Namespace, data: Path) -> dict:
+    size = tasks.HARNESSES[args.harness]
     return {
-        "model_config": MODEL_CONFIG, "tokenizer": str(DEMO_MODEL),
+        "model_config": model_config(size), "tokenizer": str(DEMO_MODEL),
         "train_data": str(data / "train.jsonl"), "valid_data": str(data / "valid.jsonl"),
         "canvases": 1, "max_prompt": 64, "steps": args.steps, "batch_size": args.batch_size,
         "lr": args.lr, "min_lr": args.lr / 10, "warmup": 50, "weight_decay": 0.1, "precision": "float32",
         "out": str(args.out), "seed": args.seed, "threads": args.threads, "eval_every": 250, "eval_batches": 4,
         "save_every": 0, "save_minutes": args.save_minutes, "log_every": 25, "max_minutes": args.max_minutes,
-        "save_dtype": "float32", "generation": GENERATION,
+        "save_dtype": "float32", "generation": GENERATION | {"max_new_tokens": size.canvas},
     }
 
 
-def write_data(directory: Path, n_train: int) -> None:
+def write_data(directory: Path, n_train: int, size: tasks.Sizes) -> None:
     """train.jsonl / valid.jsonl (chat form), rewritten identically on every run (the same seeds)."""
-    train = tasks.examples(n_train, tasks.TRAIN_SEED)
+    train = tasks.examples(n_train, tasks.TRAIN_SEED, size=size)
     tasks.write_jsonl(directory / "train.jsonl", train)
-    tasks.write_jsonl(directory / "valid.jsonl", tasks.held_out(256, tasks.VALID_SEED, {e.prompt for e in train}))
+    valid = tasks.held_out(256, tasks.VALID_SEED, {e.prompt for e in train}, size=size)
+    tasks.write_jsonl(directory / "valid.jsonl", valid)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("runs/quality"), help="run directory (final/ is the model)")
+    p.add_argument("--harness", choices=tuple(tasks.HARNESSES), default="short",
+                   help="the tasks' sizes: short (canvas 10, ~5-token answers) or long (canvas 32, 5-21 tokens)")
     p.add_argument("--steps", type=int, default=10000, help="optimizer steps (the cosine schedule's length)")
     p.add_argument("--max-minutes", type=float, default=120.0, help="stop and export after this much training time")
     p.add_argument("--batch-size", type=int, default=16)
@@ -68,8 +81,9 @@ def main() -> int:
     from dgemma.train.trainer import train
 
     try:
-        write_data(args.out / "data", args.train_examples)
+        write_data(args.out / "data", args.train_examples, tasks.HARNESSES[args.harness])
         final = train(make_config(train_config(args, args.out / "data")), progress=False)
+        tasks.write_harness(Path(final), args.harness, args.train_examples)
     except DgemmaError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
