@@ -37,7 +37,7 @@ class Sizes:
     fields: int  # json: fields
 
 
-# short: ~5-token answers, about two decoder passes each; long: 5-21-token answers in a canvas of 32, where the
+# short: ~5-token answers, about two decoder passes each; long: 5-20-token answers in a canvas of 32, where the
 # defaults take many steps per canvas (room for early commit and early stops)
 HARNESSES = {"short": Sizes(10, (3, 7), (3, 5), 1, 1), "long": Sizes(32, (10, 20), (6, 10), 3, 3)}
 SHORT = HARNESSES["short"]

@@ -21,7 +21,7 @@ from dgemma.errors import DgemmaError  # noqa: E402
 # a 4-layer body on the bundled model's tokenizer (4,096 tokens), canvas 10 (the short harness's): every answer fits
 # one canvas; model_config gives another harness its canvas
 MODEL_CONFIG = {
-    "canvas_length": 10,
+    "canvas_length": tasks.SHORT.canvas,
     "text_config": {
         "vocab_size": 4096, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
@@ -30,8 +30,9 @@ MODEL_CONFIG = {
         "max_position_embeddings": 512, "pad_token_id": 0, "eos_token_id": [1, 5], "bos_token_id": 2,
     },
 }
-# the checkpoint's decoding defaults (its generation_config.json): one canvas, the bundled model's schedule
-GENERATION = {"max_new_tokens": 10, "max_denoising_steps": 32, "entropy_bound": 1.0, "t_max": 0.6, "t_min": 0.3}
+# the checkpoint's decoding defaults (its generation_config.json; max_new_tokens: one canvas), the bundled model's
+# schedule
+GENERATION = {"max_denoising_steps": 32, "entropy_bound": 1.0, "t_max": 0.6, "t_min": 0.3}
 
 
 def model_config(size: tasks.Sizes) -> dict:
@@ -67,7 +68,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("runs/quality"), help="run directory (final/ is the model)")
     p.add_argument("--harness", choices=tuple(tasks.HARNESSES), default="short",
-                   help="the tasks' sizes: short (canvas 10, ~5-token answers) or long (canvas 32, 5-21 tokens)")
+                   help="the tasks' sizes: short (canvas 10, ~5-token answers) or long (canvas 32, 5-20-token answers)")
     p.add_argument("--steps", type=int, default=10000, help="optimizer steps (the cosine schedule's length)")
     p.add_argument("--max-minutes", type=float, default=120.0, help="stop and export after this much training time")
     p.add_argument("--batch-size", type=int, default=16)
