@@ -4,14 +4,15 @@ variant, round-robin per chat so a shared machine's load falls on all alike, and
 time from sending the request to the first content chunk, to the role chunk (sent once the request's first step
 ran: prefill and the server's own overhead) and from that chunk to the first content, the whole answer's time,
 tokens/s, and how many answers equal the defaults' text (the option changes outputs; the harness,
-benchmarks/quality/evaluate.py, gives its accuracy).
+benchmarks/quality/evaluate.py, gives its accuracy). With --harness-prompts the chats are a harness checkpoint's
+held-out task prompts (benchmarks/quality/tasks.py), and each variant's exact-match accuracy is reported too.
 
     python benchmarks/early_commit.py [--model DIR] [--chats 8] [--max-tokens 64] [--early-commit 1,2,3] \
-        [--variant 'NAME={"early_commit": 1, "early_commit_cache": true}']
+        [--variant 'NAME={"early_commit": 1, "early_commit_cache": true}'] [--harness-prompts]
 
 Last stdout line: JSON {variants: {name: {ttft_seconds_median, start_seconds_median, ttft_after_start_median,
 seconds_median, tokens_per_second, same_text_as_defaults, ttft_ratio, ttft_after_start_ratio,
-ttft_ratio_paired_median}}, settings, machine}.
+ttft_ratio_paired_median[, accuracy]}}, settings, machine}.
 """
 
 from __future__ import annotations
@@ -29,12 +30,21 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent / "quality"))
+import tasks  # noqa: E402
 from dgemma.api import DEMO_MODEL  # noqa: E402
 from dgemma.bench.flops import cpu_name, load_average  # noqa: E402
 
 QUESTIONS = ["The capital of France is", "Write a short poem about the sea.", "List three prime numbers.",
              "What is two plus two?", "Describe a cat in one sentence.", "Say hello in French.",
              "Name a color of the sky.", "Count from one to five."]
+
+
+def harness_examples(model: str, n: int) -> list[tasks.Example]:
+    """n held-out prompts of the checkpoint's own harness, task by task in turn."""
+    name, n_train = tasks.read_harness(Path(model))
+    per_task = -(-n // len(tasks.TASKS))
+    return tasks.evaluation_set(per_task, tuple(tasks.TASKS), n_train, tasks.HARNESSES[name])[:n]
 
 
 def serve(model: str, threads: int | None) -> tuple[subprocess.Popen, str]:
@@ -102,22 +112,28 @@ def main() -> None:
     p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                    help="another variant: its dgemma_sampling fields (repeatable)")
     p.add_argument("--threads", type=int, help="the server's torch threads")
+    p.add_argument("--harness-prompts", action="store_true",
+                   help="chat with the held-out prompts of the checkpoint's quality harness and score the answers")
     args = p.parse_args()
+    examples = harness_examples(args.model, args.chats) if args.harness_prompts else None
+    questions = [e.prompt for e in examples] if examples else QUESTIONS
     variants = {"defaults": {}} | {f"early_commit_{n}": {"early_commit": int(n)} for n in args.early_commit.split(",")
                                    if n} | dict(_variant(v) for v in args.variant)
     proc, url = serve(args.model, args.threads)
     try:
         with httpx.Client(base_url=url, timeout=600) as client:
             for sampling in variants.values():  # warm-up
-                stream_chat(client, QUESTIONS[0], 0, args.max_tokens, sampling)
+                stream_chat(client, questions[0], 0, args.max_tokens, sampling)
             rows: dict[str, list] = {name: [] for name in variants}
             for i in range(args.chats):
                 for name, sampling in variants.items():
-                    rows[name].append(stream_chat(client, QUESTIONS[i % len(QUESTIONS)], i, args.max_tokens, sampling))
+                    rows[name].append(stream_chat(client, questions[i % len(questions)], i, args.max_tokens, sampling))
     finally:
         proc.terminate()
         proc.wait(30)
     out = {name: summarise(r, rows["defaults"]) for name, r in rows.items()}
+    for name, r in rows.items() if examples else ():
+        out[name]["accuracy"] = sum(tasks.is_correct(e, a["text"]) for e, a in zip(examples, r)) / len(r)
     for name, r in rows.items():  # chat by chat (same prompt and seed), less exposed to the machine's load
         out[name]["ttft_ratio_paired_median"] = statistics.median(
             a["ttft"] / b["ttft"] for a, b in zip(r, rows["defaults"]) if a["ttft"] and b["ttft"])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import threading
 import time
 from pathlib import Path
@@ -77,11 +76,11 @@ class LiveServer:
     def __init__(self, app):
         import uvicorn
 
+        from dgemma.server.command import _bind
         from dgemma.server.connections import uvicorn_config
 
         self.app = app
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock = _bind("127.0.0.1", 0)  # the socket `dgemma serve` listens on
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn_config(app, app.state.service.config, log_level="warning", timeout_graceful_shutdown=5)

@@ -145,3 +145,32 @@ def test_a_non_loopback_bind_needs_allowed_hosts(capsys):
     add_arguments(parser)
     args = parser.parse_args(["--host", "0.0.0.0", "--allowed-hosts", "a.example,b.example", "--allowed-host", "c"])
     assert config_from_args(args).allowed_hosts == ("a.example", "b.example", "c")
+
+
+def test_served_connections_send_small_writes_at_once():
+    """The listening socket makes asyncio turn Nagle off on every connection (TCP_NODELAY): with it on, each
+    response after a keep-alive connection's first waited ~40 ms for the client's delayed ACK (OpenAI clients
+    keep connections alive), and a stream's chunks waited likewise."""
+    import asyncio
+    import socket
+
+    from dgemma.server.command import _bind
+
+    async def accepted_nodelay() -> int:
+        got: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport):
+                got.set_result(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+        listener = _bind("127.0.0.1", 0)
+        server = await asyncio.get_running_loop().create_server(Probe, sock=listener)
+        try:
+            _, writer = await asyncio.open_connection(*listener.getsockname()[:2])
+            value = await asyncio.wait_for(got, 10)
+            writer.close()
+            return value
+        finally:
+            server.close()
+
+    assert asyncio.run(accepted_nodelay()) != 0
