@@ -1,7 +1,9 @@
 """The quality harness: decode the exactly-checkable tasks of tasks.py with a checkpoint under several decoding
 variants, side by side with the checkpoint's exact defaults, and report per task and overall the exact-match
 accuracy, tokens per decoder pass, FLOPs per committed token (dgemma.bench.flops), time to the first committed
-token (the first "text" event of Model.stream) and tokens/s; plus the held-out likelihood of a model under the
+token (the first "text" event of Model.stream) and tokens/s; FLOPs per committed token are also projected onto the
+released 26B-A4B shape (body-heavy: benchmarks/real_shape.py) at the checkpoint's canvas, from the same decoding
+(the same steps, settled and skipped positions); plus the held-out likelihood of a model under the
 training objective (dgemma.train.objective). Last stdout line JSON.
 
     python benchmarks/quality/evaluate.py --model runs/quality/final
@@ -16,6 +18,8 @@ seeds, round-robin over variants per example so that a shared machine's load fal
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -26,8 +30,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tasks  # noqa: E402
+from real_shape import real_config  # noqa: E402
 from dgemma.bench.flops import (autoregressive_flops, cpu_name, diffusion_flops, load_average,  # noqa: E402
                                 saved_flops)
 from dgemma.errors import DgemmaError  # noqa: E402
@@ -68,10 +74,12 @@ def decode(model, example: tasks.Example, variant: dict[str, Any], seed: int) ->
             result = event.result
     seconds = time.perf_counter() - t0
     autoregressive = variant.get("mode") == "autoregressive"
+    released = released_shape(model.module.cfg.canvas_length)
     return {"correct": tasks.is_correct(example, result.text or ""), "output": result.text,
             "tokens": len(result.token_ids), "passes": result.stats["decoder_passes"],
             "steps_per_canvas": result.stats["steps_per_canvas"],
             "flops": flops(model.module.cfg, result, autoregressive, variant.get("soft_top_k")), "ttft": ttft,
+            "released_flops": flops(released, result, autoregressive, variant.get("soft_top_k")),
             "one_pass_flops": one_pass_flops(model.module.cfg, result, autoregressive), "seconds": seconds}
 
 
@@ -82,6 +90,12 @@ def flops(cfg, result, autoregressive: bool, soft_top_k: int | None = None) -> f
         return autoregressive_flops(cfg, result.prompt_tokens, result.stats["decoder_passes"])["total"]
     full = diffusion_flops(cfg, result.prompt_tokens, result.stats["steps_per_canvas"])["total"]
     return full - saved_flops(cfg, result.stats, soft_top_k, result.prompt_tokens)
+
+
+@functools.cache
+def released_shape(canvas: int):
+    """The released 26B-A4B shape (30 layers, 262K vocabulary) with this canvas: the body-heavy cost side."""
+    return dataclasses.replace(real_config(30), canvas_length=canvas)
 
 
 def one_pass_flops(cfg, result, autoregressive: bool) -> float:
@@ -103,6 +117,7 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "tokens": tokens, "decoder_passes": passes, "tokens_per_pass": tokens / passes if passes else None,
             "flops_per_token": total_flops / tokens if tokens else None, "flops_per_answer": total_flops / len(rows),
             "one_pass_flops_per_token": sum(r["one_pass_flops"] for r in rows) / tokens if tokens else None,
+            "released_shape_flops_per_token": sum(r["released_flops"] for r in rows) / tokens if tokens else None,
             "ttft_seconds_median": statistics.median(ttfts) if ttfts else None,
             "tokens_per_second": tokens / seconds if seconds > 0 else None}
 
@@ -122,7 +137,7 @@ def versus_defaults(results: dict[str, Any]) -> dict[str, Any]:
         out[name] = {"accuracy_points": 100 * (v["accuracy"] - base["accuracy"]),
                      **{f"{k}_ratio": _ratio(v[k], base[k]) for k in
                         ("flops_per_token", "flops_per_answer", "ttft_seconds_median", "tokens_per_second",
-                         "tokens_per_pass")},
+                         "tokens_per_pass", "released_shape_flops_per_token")},
                      # the FLOP ratio no option could go below with these answers' canvases (one pass each)
                      "one_pass_floor_ratio": _ratio(v["one_pass_flops_per_token"], base["flops_per_token"])}
     return out
