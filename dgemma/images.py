@@ -12,6 +12,7 @@ import binascii
 import hashlib
 import io
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,8 @@ def open_image(source: Any, limits: ImageLimits = ImageLimits(), param: str = "i
     except SamplingParamsError:
         raise
     except Exception as e:  # Pillow raises many kinds (UnidentifiedImageError, OSError, DecompressionBombError)
-        raise SamplingParamsError(f"the image cannot be decoded ({type(e).__name__}: {e})", param) from None
+        detail = re.sub(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>", "", str(e))  # no object reprs of the in-memory buffer
+        raise SamplingParamsError(f"the image cannot be decoded ({type(e).__name__}: {detail})", param) from None
     return image
 
 

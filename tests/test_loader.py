@@ -115,6 +115,7 @@ def _edit_tensors(d: Path, fn) -> None:
 
 @pytest.mark.parametrize("case, error, message", [
     ("no_dir", CheckpointError, "checkpoint directory not found"),
+    ("a_file", CheckpointError, "nor a GGUF file"),
     ("no_config", CheckpointError, "missing config.json"),
     ("bad_json", CheckpointError, "invalid JSON"),
     ("no_weights", CheckpointError, "missing model.safetensors"),
@@ -135,6 +136,9 @@ def test_errors(ckpt, tmp_path, case, error, message):
     weights = d / "model.safetensors"
     if case == "no_dir":
         d = tmp_path / "nope"
+    elif case == "a_file":
+        d = tmp_path / "model.gguf"
+        d.write_bytes(b"not gguf")
     elif case == "no_config":
         (d / "config.json").unlink()
     elif case == "bad_json":

@@ -89,6 +89,8 @@ def test_a_setting_out_of_range_is_one_line_naming_its_flag(capsys):
         ServerConfig(request_timeout=0.0)
     assert serve_main(["--max-connections", "0", "--port", "0"]) == 2
     assert capsys.readouterr().err == "error: --max-connections must be >= 1\n"
+    assert serve_main(["--port", "99999"]) == 2  # the socket module raised OverflowError with a traceback
+    assert capsys.readouterr().err == "error: --port must be <= 65535\n"
 
 
 # ---- one rule, one message -----------------------------------------------------------------------------------

@@ -18,10 +18,13 @@ KEY_ENV = "DGEMMA_API_KEY"
 
 
 def setting(value: Any, help: str, flag: str | tuple[str, ...] | None = None, *, least: float | None = None,
-            above: float | None = None, shown: str | None = None, repr: bool = True, **argparse: Any) -> Any:
+            above: float | None = None, most: float | None = None, shown: str | None = None, repr: bool = True,
+            **argparse: Any) -> Any:
     """A ServerConfig field (default `value`) with its flag (default --field-name), `help` (+ the default, or `shown`),
-    lowest value (`least`; `above`: strictly; None passes), other `add_argument` options; tuple value: repeatable."""
-    meta = {"help": help, "flag": flag, "least": least, "above": above, "shown": shown, "argparse": argparse}
+    lowest value (`least`; `above`: strictly; None passes), highest (`most`), other `add_argument` options; tuple
+    value: repeatable."""
+    meta = {"help": help, "flag": flag, "least": least, "above": above, "most": most, "shown": shown,
+            "argparse": argparse}
     return field(default=value, repr=repr, metadata=meta)
 
 
@@ -36,7 +39,7 @@ class ServerConfig:
     model_name: str = setting("demo", "model id clients send", "--served-model-name", shown="the directory's name",
                               default=None)
     host: str = setting("127.0.0.1", "address to bind (0.0.0.0 for all, with --allowed-hosts)")
-    port: int = setting(8000, "port (0: any free port, printed at start)", least=0)
+    port: int = setting(8000, "port (0: any free port, printed at start)", least=0, most=65535)
     api_keys: tuple[str, ...] = setting((), f"accepted bearer key (repeatable; also ${KEY_ENV}). Without keys the "
                                         "API is open", "--api-key", shown="none", repr=False)  # never printed
     max_concurrency: int = setting(16, "sequences decoded together (the engine's batch)", least=1)
@@ -169,5 +172,7 @@ def _check_setting(f: Field, value: Any) -> None:
         raise ConfigError(f"{flag} must be >= {m['least']}")
     if m["above"] is not None and not value > m["above"]:
         raise ConfigError(f"{flag} must be > {m['above']}")
+    if m["most"] is not None and value > m["most"]:
+        raise ConfigError(f"{flag} must be <= {m['most']}")
     if "choices" in m["argparse"] and value not in m["argparse"]["choices"]:
         raise ConfigError(f"{flag} {value!r} must be one of {', '.join(m['argparse']['choices'])}")

@@ -46,7 +46,8 @@ def resolve_checkpoint(path_or_repo: str | Path) -> Path:
         return path
     name = str(path_or_repo)
     if path.exists():
-        raise CheckpointError(f"{name} is not a directory (expected a checkpoint directory with config.json)")
+        raise CheckpointError(f"{name} is neither a checkpoint directory (with config.json) nor a GGUF file "
+                              "(it does not start with the GGUF magic)")
     if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not name.startswith((".", "/")):
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import LocalEntryNotFoundError
