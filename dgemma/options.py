@@ -45,6 +45,20 @@ OPT_IN = (
 )
 
 
+def add_threads_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
 def add_model_options(p: argparse.ArgumentParser, dtype_help: str | None = None) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory, cached Hugging Face repo id, or GGUF file "
                    "of llama.cpp's diffusion-gemma (default: the bundled demo model)")

@@ -3,6 +3,8 @@ one home: the same message from the Python API, the CLI, the engine and the serv
 
 import argparse
 import dataclasses
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -91,6 +93,9 @@ def test_a_setting_out_of_range_is_one_line_naming_its_flag(capsys):
     assert capsys.readouterr().err == "error: --max-connections must be >= 1\n"
     assert serve_main(["--port", "99999"]) == 2  # the socket module raised OverflowError with a traceback
     assert capsys.readouterr().err == "error: --port must be <= 65535\n"
+    for command in ("serve", "bench"):  # --threads -1 reached torch.set_num_threads: a RuntimeError traceback
+        r = subprocess.run([sys.executable, "-m", "dgemma", command, "--threads", "-1"], capture_output=True, text=True)
+        assert r.returncode == 2 and "'-1' is not a positive integer" in r.stderr and "Traceback" not in r.stderr
 
 
 # ---- one rule, one message -----------------------------------------------------------------------------------

@@ -399,9 +399,12 @@ def test_command_errors(workdir, tmp_path):
     add_arguments(parser)
     bad = tmp_path / "bad.json"
     bad.write_text('{"steps": 0, "train_data": "x", "model": "y"}')
+    threads = tmp_path / "threads.json"
+    threads.write_text('{"threads": 0, "train_data": "x", "model": "y"}')
     cases = [([], "no training data"),
              (["--config", str(tmp_path / "nope.toml")], "config file not found"),
              (["--config", str(bad)], "steps=0 must be a positive integer"),
+             (["--config", str(threads)], "threads=0 must be a positive integer"),  # was torch's RuntimeError
              (["--data", str(workdir / "train.txt")], "set exactly one of model"),
              (["--data", str(tmp_path / "none.txt"), "--model", str(tmp_path)], "no tokenizer.json")]
     for argv, message in cases:

@@ -17,6 +17,7 @@ from pathlib import Path
 from dgemma.bench.job import ENGINES, Job, log
 from dgemma.dtypes import NAMES
 from dgemma.errors import DgemmaError
+from dgemma.options import add_threads_option
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--respect-eos", action="store_true", help="stop at EOS (default: ignore it, fixed length)")
     p.add_argument("--in-process", action="store_true",
                    help="run every configuration in this process (faster; peak memory is then shared)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_threads_option(p)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration before it is killed")
     p.add_argument("--scenario", choices=["throughput", "multi-turn"], default="throughput",
                    help="throughput: the engines side by side (default); multi-turn: one chat of --turns turns with "

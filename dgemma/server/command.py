@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from dgemma.errors import DgemmaError
-from dgemma.options import add_model_options
+from dgemma.options import add_model_options, add_threads_option
 from dgemma.server.config import KEY_ENV, ServerConfig
 
 log = logging.getLogger("dgemma.server")
@@ -26,7 +26,7 @@ def _load(args: argparse.Namespace):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_options(p)
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    add_threads_option(p)
     ServerConfig.add_flags(p)
 
 
