@@ -66,7 +66,8 @@ def add_model_options(p: argparse.ArgumentParser, dtype_help: str | None = None)
                    help=dtype_help or "weight dtype (auto: bfloat16 checkpoints stay bfloat16, else float32)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     p.add_argument("--compile", action="store_true", help="compile the denoising step's model pass with "
-                   "torch.compile (minutes of start-up; fewer kernel launches on accelerators)")
+                   "torch.compile (minutes of start-up; fewer kernel launches on accelerators; on CPUs it "
+                   "measured slower)")
     add_quantize_option(p)
 
 
