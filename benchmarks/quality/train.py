@@ -90,7 +90,8 @@ def main() -> int:
         return 2
     log = [json.loads(line) for line in (args.out / "log.jsonl").read_text().splitlines()]
     evals = [r for r in log if "eval_diffusion" in r]
-    print(json.dumps({"final": str(final), "steps": log[-1]["step"], "elapsed": max(r.get("elapsed", 0) for r in log),
+    print(json.dumps({"final": str(final), "steps": log[-1]["step"] if log else None,
+                      "elapsed": max((r.get("elapsed", 0) for r in log), default=0),
                       "last_eval": evals[-1] if evals else None}))
     return 0
 
