@@ -96,6 +96,12 @@ def test_held_out_examples_never_repeat_a_training_prompt():
     assert len(held) == 200 and not train & {e.prompt for e in held}
 
 
+def test_held_out_prompts_that_do_not_exist_are_an_error_not_a_hang():
+    every = {f"json {k}={v}" for k in tasks.KEYS for v in range(100)}  # the short json task's whole prompt space
+    with pytest.raises(ValueError, match="only 0 held-out prompts of json"):  # looped forever before
+        tasks.held_out(5, 1, every, ("json",))
+
+
 def test_the_evaluation_set_asks_no_training_prompt():
     chosen = tasks.evaluation_set(40, ("json", "copy"), n_train=6000)
     train = {e.prompt for e in tasks.examples(6000, 0)}  # train.py's training set of that size (seed 0)

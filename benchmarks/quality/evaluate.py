@@ -297,7 +297,10 @@ def run(args: argparse.Namespace) -> int:
     check_variants(model, {name: {**common, **v} for name, v in variants.items()})
     harness, n_train = tasks.read_harness(model.directory)
     n_train = args.train_examples or n_train
-    examples = tasks.evaluation_set(args.per_task, names, n_train, tasks.HARNESSES[harness])
+    try:
+        examples = tasks.evaluation_set(args.per_task, names, n_train, tasks.HARNESSES[harness])
+    except ValueError as e:
+        raise DgemmaError(f"{e}: score fewer examples (--per-task) or leave the task out (--tasks)") from None
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     start_load = load_average()
     report = {"schema": SCHEMA, "model": str(model.directory), "machine": machine(),

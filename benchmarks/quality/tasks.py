@@ -91,6 +91,7 @@ TASKS = {"copy": copy, "reverse": reverse, "sort": sort, "inc": increment, "reca
 
 TRAIN_SEED, VALID_SEED, EVAL_SEED = 0, 1, 2  # train.py's data and evaluate.py's examples
 TRAIN_EXAMPLES = 20_000  # train.py's default training set
+IDLE_ROUNDS = 50  # held_out gives up after this many seeds in a row bring no new prompt
 HARNESS_FILE = "harness.json"  # in a harness checkpoint: which harness it learned, from how many examples
 
 
@@ -108,13 +109,18 @@ def examples(n: int, seed: int, tasks: tuple[str, ...] = tuple(TASKS), size: Siz
 def held_out(n: int, seed: int, train: set[str], tasks: tuple[str, ...] = tuple(TASKS),
              size: Sizes = SHORT) -> list[Example]:
     """n examples with distinct prompts, none of them in `train` (a held-out set never repeats a training prompt)."""
-    out, seen, offset = [], set(train), 0
+    out, seen, offset, idle = [], set(train), 0, 0
     while len(out) < n:
+        found = len(out)
         for e in examples(n, seed + offset, tasks, size):
             if e.prompt not in seen and len(out) < n:
                 out.append(e)
                 seen.add(e.prompt)
         offset += 1
+        idle = 0 if len(out) > found else idle + 1
+        if idle == IDLE_ROUNDS:  # the training set holds (nearly) every prompt these tasks can make
+            raise ValueError(f"only {len(out)} held-out prompts of {', '.join(tasks)} found outside the training "
+                             f"set, {n} asked")
     return out
 
 
