@@ -110,13 +110,12 @@ class TrainConfig:
                                   "or drop quantize")
 
     def _check_numbers(self) -> None:
+        optional = ("threads",) if self.threads is not None else ()  # unset: torch's choice
         for name in ("steps", "batch_size", "grad_accum", "canvases", "max_prompt", "lora_r", "eval_batches",
-                     "keep_checkpoints", "log_every"):
+                     "keep_checkpoints", "log_every", *optional):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
-        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
-            raise ConfigError(f"threads={self.threads!r} must be a positive integer (or unset: torch's choice)")
         for name in ("warmup", "eval_every", "save_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
