@@ -90,9 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=8, help="routed experts per layer")
     p.add_argument("--top-k", type=int, default=2, help="experts per token")
+    p.add_argument("--vocab", type=int, default=262_144, help="vocabulary size (smaller: a body-heavy step, e.g. "
+                   "32768 with --hidden 1024 --layers 12 --experts 32 puts ~70%% of a step's FLOPs in the body)")
     args = p.parse_args(argv)
     info = build(args.out, args.seed, getattr(torch, args.dtype), hidden=args.hidden, layers=args.layers,
-                 experts=args.experts, top_k=args.top_k)
+                 experts=args.experts, top_k=args.top_k, vocab=args.vocab)
     print(f"wrote {info['path']}: {info['parameters'] / 1e6:.1f}M parameters, {info['bytes'] / 1e6:.0f} MB "
           f"({info['dtype']}) in {info['seconds']} s", file=sys.stderr)
     print(json.dumps(info))

@@ -40,6 +40,16 @@ def checkpoint(tmp_path_factory):
     return _script("gguf_checkpoint").prepare(directory)
 
 
+def test_bench_checkpoint_vocabulary_from_the_command_line(tmp_path, capsys):
+    """`--vocab` (the body-heavy comparison's small vocabulary) reaches the saved config and the embedding."""
+    script = _script("build_bench_checkpoint")
+    assert script.main(["--out", str(tmp_path), "--hidden", "64", "--layers", "1", "--experts", "2",
+                        "--vocab", "1000"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["path"] == str(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["text_config"]["vocab_size"] == 1000
+    assert load_model(tmp_path).embed_tokens.weight.shape == (1000, 64)
+
+
 def _logits(model, seed=0):
     """Encoder over a prompt, then one decoder step over a canvas: the head's float32 logits."""
     g = torch.Generator().manual_seed(seed)
