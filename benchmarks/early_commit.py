@@ -42,9 +42,9 @@ QUESTIONS = ["The capital of France is", "Write a short poem about the sea.", "L
 
 def harness_examples(model: str, n: int) -> list[tasks.Example]:
     """n held-out prompts of the checkpoint's own harness, task by task in turn."""
-    name, n_train = tasks.read_harness(Path(model))
-    per_task = -(-n // len(tasks.TASKS))
-    return tasks.evaluation_set(per_task, tuple(tasks.TASKS), n_train, tasks.HARNESSES[name])[:n]
+    name, n_train, learned = tasks.read_harness(Path(model))
+    per_task = -(-n // len(learned))
+    return tasks.evaluation_set(per_task, learned, n_train, tasks.HARNESSES[name], learned)[:n]
 
 
 def serve(model: str, threads: int | None) -> tuple[subprocess.Popen, str]:

@@ -75,11 +75,30 @@ def train_script():
 
 
 def test_a_checkpoint_records_its_harness(tmp_path):
-    assert tasks.read_harness(tmp_path) == ("short", tasks.TRAIN_EXAMPLES)  # checkpoints from before the record
-    tasks.write_harness(tmp_path, "long", 1234)
-    assert tasks.read_harness(tmp_path) == ("long", 1234)
+    every = tuple(tasks.TASKS)
+    assert tasks.read_harness(tmp_path) == ("short", tasks.TRAIN_EXAMPLES, every)  # from before the record
+    (tmp_path / tasks.HARNESS_FILE).write_text('{"harness": "long", "train_examples": 1234}')  # before the task list
+    assert tasks.read_harness(tmp_path) == ("long", 1234, every)
+    tasks.write_harness(tmp_path, "long", 1234, ("copy", "inc"))
+    assert tasks.read_harness(tmp_path) == ("long", 1234, ("copy", "inc"))
     long = tasks.evaluation_set(5, ("copy",), 1234, tasks.HARNESSES["long"])
     assert all(len(e.answer) >= 10 for e in long)
+
+
+def test_a_checkpoint_of_some_tasks_is_scored_on_prompts_it_never_trained_on():
+    """3,000 copy-only examples take about half of the 1,000 three-digit copy prompts; the evaluation set of such a
+    checkpoint avoids them, which the all-task training set of the same size would not."""
+    copy_only = {e.prompt for e in tasks.examples(3000, tasks.TRAIN_SEED, ("copy",))}
+    chosen = tasks.evaluation_set(60, ("copy",), 3000, trained=("copy",))
+    assert len(chosen) == 60 and not copy_only & {e.prompt for e in chosen}
+    assert copy_only & {e.prompt for e in tasks.evaluation_set(60, ("copy",), 3000)}
+
+
+def test_task_lists_are_checked():
+    assert tasks.parse_tasks(" copy, inc ") == ("copy", "inc")
+    for bad, message in (("copy,add", "unknown task.s. add"), (" , ", "no task given")):
+        with pytest.raises(ValueError, match=message):
+            tasks.parse_tasks(bad)
 
 
 def test_checker_scores_right_answers_right_and_wrong_ones_wrong():

@@ -260,7 +260,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="runs/quality/final", help="the harness checkpoint (train.py's final/)")
     p.add_argument("--per-task", type=int, default=50, help="examples per task")
-    p.add_argument("--tasks", default=",".join(tasks.TASKS), help="comma-separated task names")
+    p.add_argument("--tasks", default=None, help="comma-separated task names (default: the tasks the checkpoint "
+                   "learned)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated, from: {', '.join(VARIANTS)} (defaults always runs)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
@@ -288,17 +289,18 @@ def run(args: argparse.Namespace) -> int:
     import dgemma
 
     torch.set_num_threads(args.threads)
-    names = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
-    if unknown := [t for t in names if t not in tasks.TASKS]:
-        raise DgemmaError(f"unknown task(s) {', '.join(unknown)} (known: {', '.join(tasks.TASKS)})")
+    try:
+        names = tasks.parse_tasks(args.tasks) if args.tasks is not None else None
+    except ValueError as e:
+        raise DgemmaError(str(e)) from None
     model = dgemma.load(args.model, dtype=args.dtype)
     common = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {}
     variants = choose_variants(args.variants, args.variant)
     check_variants(model, {name: {**common, **v} for name, v in variants.items()})
-    harness, n_train = tasks.read_harness(model.directory)
-    n_train = args.train_examples or n_train
+    harness, n_train, learned = tasks.read_harness(model.directory)
+    n_train, names = args.train_examples or n_train, names or learned
     try:
-        examples = tasks.evaluation_set(args.per_task, names, n_train, tasks.HARNESSES[harness])
+        examples = tasks.evaluation_set(args.per_task, names, n_train, tasks.HARNESSES[harness], learned)
     except ValueError as e:
         raise DgemmaError(f"{e}: score fewer examples (--per-task) or leave the task out (--tasks)") from None
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731

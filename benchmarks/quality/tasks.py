@@ -11,6 +11,7 @@ import random
 import string
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 KEYS = "abcdefghijkmnpqrstuvwxyz"  # no l / o: they read like 1 / 0
 
@@ -125,26 +126,45 @@ def held_out(n: int, seed: int, train: set[str], tasks: tuple[str, ...] = tuple(
 
 
 def evaluation_set(per_task: int, names: tuple[str, ...], n_train: int = TRAIN_EXAMPLES,
-                   size: Sizes = SHORT) -> list[Example]:
+                   size: Sizes = SHORT, trained: tuple[str, ...] = tuple(TASKS)) -> list[Example]:
     """per_task examples of each task from EVAL_SEED, none of them a prompt of the first n_train training examples
-    (so the harness scores answers, not memory), interleaved task by task."""
-    train = {e.prompt for e in examples(n_train, TRAIN_SEED, size=size)}
+    (of the `trained` tasks: so the harness scores answers, not memory), interleaved task by task."""
+    train = {e.prompt for e in examples(n_train, TRAIN_SEED, trained, size)}
     per = [held_out(per_task, EVAL_SEED, train, (t,), size) for t in names]
     return [e for group in zip(*per) for e in group]
 
 
-def write_harness(model_dir: Path, name: str, n_train: int) -> None:
-    """Record in a checkpoint which harness it learned and from how many training examples."""
-    (model_dir / HARNESS_FILE).write_text(json.dumps({"harness": name, "train_examples": n_train}) + "\n")
+class Learned(NamedTuple):
+    """What a harness checkpoint learned: its harness, how many training examples, of which tasks."""
+    harness: str
+    train_examples: int
+    tasks: tuple[str, ...]
 
 
-def read_harness(model_dir: Path) -> tuple[str, int]:
-    """(harness name, training examples) of a checkpoint; one without the record learned the short harness."""
+def write_harness(model_dir: Path, name: str, n_train: int, names: tuple[str, ...] = tuple(TASKS)) -> None:
+    """Record in a checkpoint which harness it learned, from how many training examples of which tasks."""
+    record = {"harness": name, "train_examples": n_train, "tasks": list(names)}
+    (model_dir / HARNESS_FILE).write_text(json.dumps(record) + "\n")
+
+
+def read_harness(model_dir: Path) -> Learned:
+    """What a checkpoint learned; one without the record learned the short harness (records from before the task
+    list: every task)."""
     path = Path(model_dir) / HARNESS_FILE
     if not path.is_file():
-        return "short", TRAIN_EXAMPLES
+        return Learned("short", TRAIN_EXAMPLES, tuple(TASKS))
     record = json.loads(path.read_text())
-    return record["harness"], record["train_examples"]
+    return Learned(record["harness"], record["train_examples"], tuple(record.get("tasks", TASKS)))
+
+
+def parse_tasks(text: str) -> tuple[str, ...]:
+    """A comma-separated task list; ValueError naming the unknown ones."""
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    if unknown := [t for t in names if t not in TASKS]:
+        raise ValueError(f"unknown task(s) {', '.join(unknown)} (known: {', '.join(TASKS)})")
+    if not names:
+        raise ValueError(f"no task given (known: {', '.join(TASKS)})")
+    return names
 
 
 def is_correct(example: Example, output: str) -> bool:

@@ -56,12 +56,20 @@ def train_config(args: argparse.Namespace, data: Path) -> dict:
     }
 
 
-def write_data(directory: Path, n_train: int, size: tasks.Sizes) -> None:
-    """train.jsonl / valid.jsonl (chat form), rewritten identically on every run (the same seeds)."""
-    train = tasks.examples(n_train, tasks.TRAIN_SEED, size=size)
+def write_data(directory: Path, n_train: int, size: tasks.Sizes, names: tuple[str, ...] = tuple(tasks.TASKS)) -> None:
+    """train.jsonl / valid.jsonl (chat form) of the tasks `names`, rewritten identically on every run (the same
+    seeds)."""
+    train = tasks.examples(n_train, tasks.TRAIN_SEED, names, size)
     tasks.write_jsonl(directory / "train.jsonl", train)
-    valid = tasks.held_out(256, tasks.VALID_SEED, {e.prompt for e in train}, size=size)
+    valid = tasks.held_out(256, tasks.VALID_SEED, {e.prompt for e in train}, names, size)
     tasks.write_jsonl(directory / "valid.jsonl", valid)
+
+
+def _task_list(text: str) -> tuple[str, ...]:
+    try:
+        return tasks.parse_tasks(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def main() -> int:
@@ -74,6 +82,9 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--train-examples", type=int, default=tasks.TRAIN_EXAMPLES)
+    p.add_argument("--tasks", type=_task_list, default=tuple(tasks.TASKS),
+                   help=f"comma-separated tasks to learn (default: all of {', '.join(tasks.TASKS)}); evaluate.py "
+                   "scores the ones the checkpoint records")
     p.add_argument("--save-minutes", type=float, default=3.0, help="a resumable training state at least this often")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -82,9 +93,9 @@ def main() -> int:
     from dgemma.train.trainer import train
 
     try:
-        write_data(args.out / "data", args.train_examples, tasks.HARNESSES[args.harness])
+        write_data(args.out / "data", args.train_examples, tasks.HARNESSES[args.harness], args.tasks)
         final = train(make_config(train_config(args, args.out / "data")), progress=False)
-        tasks.write_harness(Path(final), args.harness, args.train_examples)
+        tasks.write_harness(Path(final), args.harness, args.train_examples, args.tasks)
     except DgemmaError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
