@@ -94,6 +94,19 @@ def test_a_checkpoint_of_some_tasks_is_scored_on_prompts_it_never_trained_on():
     assert copy_only & {e.prompt for e in tasks.evaluation_set(60, ("copy",), 3000)}
 
 
+def test_server_benchmark_asks_the_tasks_the_checkpoint_learned(tmp_path):
+    """benchmarks/early_commit.py --harness-prompts: held-out prompts of the recorded tasks only, in turn."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import early_commit
+
+    tasks.write_harness(tmp_path, "long", 3000, ("copy", "inc"))
+    chosen = early_commit.harness_examples(str(tmp_path), 7)
+    assert [e.task for e in chosen] == ["copy", "inc"] * 3 + ["copy"]
+    assert all(len(e.answer) >= 10 for e in chosen)  # the long harness's sizes
+    trained = {e.prompt for e in tasks.examples(3000, tasks.TRAIN_SEED, ("copy", "inc"), tasks.HARNESSES["long"])}
+    assert not trained & {e.prompt for e in chosen}
+
+
 def test_task_lists_are_checked():
     assert tasks.parse_tasks(" copy, inc ") == ("copy", "inc")
     for bad, message in (("copy,add", "unknown task.s. add"), (" , ", "no task given")):
