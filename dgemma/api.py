@@ -16,7 +16,7 @@ from dgemma.cache import KVCache
 from dgemma.chat.tools import ToolUse
 from dgemma.dtypes import native_bf16, parse_dtype
 from dgemma.engine import (AutoregressiveEngine, Engine, OutputStream, PrefixCache, ReferenceRunner, Result,
-                           StreamEvent)
+                           SpeculativeEngine, StreamEvent)
 from dgemma.errors import DgemmaError
 from dgemma.jsonfile import read_json
 from dgemma.options import MODES, SAMPLINGS
@@ -258,7 +258,7 @@ class Model:
     def generate(self, prompt: Prompt | list[Prompt], mode: str = "diffusion", sampling: str = "fast",
                  **options: Any) -> Result | list[Result]:
         """Generate for one prompt (returns a Result) or a list of prompts decoded as one batch. `mode`:
-        diffusion or autoregressive; `sampling` (diffusion): fast, or reference (transformers draw for draw);
+        diffusion, autoregressive or speculative (autoregressive output, drafted by the decoder); `sampling` (diffusion): fast, or reference (transformers draw for draw);
         `options`: SamplingParams fields, and for chat messages OpenAI's `tools`, `tool_choice` ("none", "auto" (the
         default with tools), "required", {"type": "function", "function": {"name": ...}}) and `parallel_tool_calls`
         (a reply of calls has Result.tool_calls; the chat template picks the call syntax)."""
@@ -277,7 +277,7 @@ class Model:
     def runner(self, mode: str = "diffusion", sampling: str = "fast", max_batch: int = 16,
                prefix_cache: PrefixCache | None = None):
         """The engine for a decoding mode: `Engine` (continuous batching, reusing `prefix_cache` if given),
-        `ReferenceRunner` or `AutoregressiveEngine`; all take `add_request` and yield the same events from
+        `ReferenceRunner`, `AutoregressiveEngine` or `SpeculativeEngine`; all take `add_request` and yield the same events from
         `stream()`."""
         eos = self.defaults.eos_token_ids or ()
         if mode not in MODES or sampling not in SAMPLINGS:
@@ -285,6 +285,8 @@ class Model:
             raise SamplingParamsError(f"{bad}={name!r} must be one of {', '.join(names)}", bad)
         if mode == "autoregressive":
             runner = AutoregressiveEngine(self.module, eos)
+        elif mode == "speculative":
+            runner = SpeculativeEngine(self.module, eos)
         elif sampling == "reference":
             runner = ReferenceRunner(self.module, eos, self.pad_id)
         else:

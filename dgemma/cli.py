@@ -61,17 +61,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _check_mode_options(args: argparse.Namespace) -> None:
     """Options of the other decoding mode would be ignored: refuse them instead."""
-    if args.mode == "autoregressive":
+    if args.mode != "diffusion":
         given = [flag for flag, value in (("--steps", args.steps), ("--t-min", args.t_min), ("--t-max", args.t_max),
                                           ("--entropy-bound", args.entropy_bound),
                                           *((o.flag, getattr(args, o.name)) for o in OPT_IN)) if value is not None]
         given += ["--sampling reference"] * (args.sampling == "reference")
         if given:
-            raise DgemmaError(f"{given[0]} applies to diffusion decoding; --mode autoregressive samples with "
+            raise DgemmaError(f"{given[0]} applies to diffusion decoding; --mode {args.mode} samples with "
                               "--ar-temperature (and --seed)")
     elif args.ar_temperature is not None:
-        raise DgemmaError("--ar-temperature applies to --mode autoregressive; diffusion decoding's temperature is "
-                          "--t-min / --t-max")
+        raise DgemmaError("--ar-temperature applies to --mode autoregressive and speculative; diffusion decoding's "
+                          "temperature is --t-min / --t-max")
 
 
 def _grammar(args: argparse.Namespace):
@@ -120,7 +120,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--sampling", choices=SAMPLINGS, default=SAMPLINGS[0],
                    help="fast: continuous batching, per-request RNG (default); reference: transformers draw for draw")
     add_mode_option(p)
-    p.add_argument("--ar-temperature", type=float, help="autoregressive mode: sampling temperature (0 = greedy)")
+    p.add_argument("--ar-temperature", type=float, help="autoregressive and speculative modes: sampling temperature (0 = greedy)")
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this JSON schema file")
     shape.add_argument("--regex", help="the output matches this regular expression (whole text)")

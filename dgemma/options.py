@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 from dgemma.dtypes import NAMES
 
-MODES = ("diffusion", "autoregressive")
+MODES = ("diffusion", "autoregressive", "speculative")
 SAMPLINGS = ("fast", "reference")
-MODE_HELP = "decode by block diffusion or autoregressively with the encoder"
+MODE_HELP = ("decode by block diffusion, autoregressively with the encoder, or speculatively (the decoder drafts, "
+             "the encoder checks: autoregressive output, several tokens a pass where the drafts hold)")
 
 
 @dataclass(frozen=True)

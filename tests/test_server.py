@@ -161,15 +161,16 @@ def test_drafts_are_ignored_by_the_client(client):
     assert [d["step"] for d in drafts if d["canvas"] == 0] == list(range(1, 1 + sum(d["canvas"] == 0 for d in drafts)))
 
 
-def test_autoregressive_mode_serves_the_apis_tokens(checkpoint):
-    """`dgemma serve --mode autoregressive`: the same engine interface and output path as the Python API, so the
-    served text equals `generate(mode="autoregressive")`, streamed or not, with stop strings applied."""
-    s = start_server(checkpoint, mode="autoregressive")
+@pytest.mark.parametrize("mode", ["autoregressive", "speculative"])
+def test_autoregressive_modes_serve_the_apis_tokens(checkpoint, mode):
+    """`dgemma serve --mode autoregressive` (or speculative): the same engine interface and output path as the
+    Python API, so the served text equals `generate(mode=...)`, streamed or not, with stop strings applied."""
+    s = start_server(checkpoint, mode=mode)
     try:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
         kw = dict(model="tiny", prompt="Hello world", max_tokens=12, temperature=0)
         r = client.completions.create(**kw)
-        expected = dgemma.load(checkpoint).generate("Hello world", mode="autoregressive", max_new_tokens=12)
+        expected = dgemma.load(checkpoint).generate("Hello world", mode=mode, max_new_tokens=12)
         assert (r.choices[0].text, r.usage.completion_tokens) == (expected.text, 12)
         streamed = list(client.completions.create(**kw, stream=True))
         assert "".join(c.choices[0].text for c in streamed) == expected.text
@@ -181,7 +182,7 @@ def test_autoregressive_mode_serves_the_apis_tokens(checkpoint):
         hot = dict(model="tiny", prompt="Hello world", max_tokens=12, temperature=1.5, seed=7)
         texts = [c.text for c in client.completions.create(**hot, n=3).choices]
         model = dgemma.load(checkpoint)
-        assert texts == [model.generate("Hello world", mode="autoregressive", max_new_tokens=12, ar_temperature=1.5,
+        assert texts == [model.generate("Hello world", mode=mode, max_new_tokens=12, ar_temperature=1.5,
                                         seed=7 + i).text for i in range(3)]
         assert len(set(texts)) > 1 and expected.text not in texts
         for extra, param in (({"top_p": 0.5}, "top_p"), ({"extra_body": {"dgemma_drafts": True}, "stream": True},

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tasks  # noqa: E402
 from real_shape import real_config  # noqa: E402
 from dgemma.bench.flops import (autoregressive_flops, cpu_name, diffusion_flops, load_average,  # noqa: E402
-                                saved_flops)
+                                saved_flops, speculative_flops)
 from dgemma.errors import DgemmaError  # noqa: E402
 from dgemma.options import MODES, SAMPLINGS  # noqa: E402
 
@@ -49,6 +49,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "constant_t_0.3": {"t_min": 0.3, "t_max": 0.3},
     "reference_sampling": {"sampling": "reference"},
     "autoregressive": {"mode": "autoregressive"},
+    "speculative": {"mode": "speculative"},
     "early_commit_1": {"early_commit": 1},
     "early_commit_2": {"early_commit": 2},
     "early_commit_3": {"early_commit": 3},
@@ -73,21 +74,23 @@ def decode(model, example: tasks.Example, variant: dict[str, Any], seed: int) ->
         elif event.kind == "done":
             result = event.result
     seconds = time.perf_counter() - t0
-    autoregressive = variant.get("mode") == "autoregressive"
+    mode = variant.get("mode", MODES[0])
     released = released_shape(model.module.cfg.canvas_length)
     return {"correct": tasks.is_correct(example, result.text or ""), "output": result.text,
             "tokens": len(result.token_ids), "passes": result.stats["decoder_passes"],
             "steps_per_canvas": result.stats["steps_per_canvas"],
-            "flops": flops(model.module.cfg, result, autoregressive, variant.get("soft_top_k")), "ttft": ttft,
-            "released_flops": flops(released, result, autoregressive, variant.get("soft_top_k")),
-            "one_pass_flops": one_pass_flops(model.module.cfg, result, autoregressive), "seconds": seconds}
+            "flops": flops(model.module.cfg, result, mode, variant.get("soft_top_k")), "ttft": ttft,
+            "released_flops": flops(released, result, mode, variant.get("soft_top_k")),
+            "one_pass_flops": one_pass_flops(model.module.cfg, result, mode), "seconds": seconds}
 
 
-def flops(cfg, result, autoregressive: bool, soft_top_k: int | None = None) -> float:
+def flops(cfg, result, mode: str, soft_top_k: int | None = None) -> float:
     """Matmul FLOPs of this request under the one FLOP model (prefill, each decoder pass, commits), less what its
     opt-in savings spared (settled positions, a sparse soft embedding)."""
-    if autoregressive:  # one pass per generated token, the final EOS included
+    if mode == "autoregressive":  # one pass per generated token, the final EOS included
         return autoregressive_flops(cfg, result.prompt_tokens, result.stats["decoder_passes"])["total"]
+    if mode == "speculative":
+        return speculative_flops(cfg, result.prompt_tokens, result.stats["verified"])["total"]
     full = diffusion_flops(cfg, result.prompt_tokens, result.stats["steps_per_canvas"])["total"]
     return full - saved_flops(cfg, result.stats, soft_top_k, result.prompt_tokens)
 
@@ -98,10 +101,10 @@ def released_shape(canvas: int):
     return dataclasses.replace(real_config(30), canvas_length=canvas)
 
 
-def one_pass_flops(cfg, result, autoregressive: bool) -> float:
+def one_pass_flops(cfg, result, mode: str) -> float:
     """The least a canvas decoder could spend on this answer: its prompt and canvases, one decoder pass each."""
-    if autoregressive:
-        return flops(cfg, result, True)
+    if mode != "diffusion":
+        return flops(cfg, result, mode)
     return diffusion_flops(cfg, result.prompt_tokens, [1] * len(result.stats["steps_per_canvas"]))["total"]
 
 

@@ -85,6 +85,19 @@ def autoregressive_flops(cfg: ModelConfig, prompt_len: int, tokens: int) -> dict
     return {"total": total, "steps": tokens, "decoder_step": head + body_flops(t, 1, prompt_len, causal=True)}
 
 
+def speculative_flops(cfg: ModelConfig, prompt_len: int, verified: list[tuple[int, int]]) -> dict[str, float]:
+    """One prompt: prefill and the LM head of its last position (the first token), then per cycle a decoder pass
+    over a canvas (LM head on every position) and an encoder pass with the LM head over the `span` ids checked
+    after `cached` slots (`verified`, engine/speculative.py)."""
+    t, c = cfg.text, cfg.canvas_length
+    row = 2 * t.hidden_size * t.vocab_size
+    total = body_flops(t, prompt_len, 0, causal=True) + row
+    for cached, span in verified:
+        total += body_flops(t, c, cached, causal=False) + c * row + body_flops(t, span, cached, causal=True) + span * row
+    return {"total": total, "steps": 2 * len(verified), "decoder_step": body_flops(t, c, prompt_len, causal=False)
+            + c * row}
+
+
 def add_bounds(run: dict[str, Any], cfg: ModelConfig, machine: dict[str, Any]) -> dict[str, Any]:
     """Lower bound per step = the FLOPs the run did (its own steps per canvas, every row) / its steps / peak.
     A bfloat16 run is held to the better of the bfloat16 and float32 peaks (bf16 weights may run fp32 GEMMs)."""

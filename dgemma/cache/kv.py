@@ -93,6 +93,14 @@ class KVCache:
         """Record the rotary positions [B, n] of the tokens in slots start..start+n."""
         self.positions[:, start:start + positions.shape[1]] = positions
 
+    def truncate(self, length: int) -> None:
+        """Forget the slots from `length` on (speculative tokens the verifier rejected). Rings lose nothing a later
+        token sees: what the rejected slots overwrote lay at least a window behind `length`."""
+        oldest = self.length - self.room if self.room is not None else 0
+        if not oldest <= length <= self.length:
+            raise ValueError(f"can only forget the newest {self.room} slots (length {self.length}, asked {length})")
+        self.length = length
+
     def scratch(self, n: int) -> None:
         """The decoder is about to put n keys in the slots after `length` (scratch, overwritten by the commit)."""
         self.ensure(self.length + n)

@@ -1,5 +1,5 @@
 """Engine: requests, the continuous-batching block-diffusion engine, the reference runner, autoregressive
-decoding of the same weights, and the one adaptor from engine events to text."""
+and speculative decoding of the same weights, and the one adaptor from engine events to text."""
 
 from dgemma.cache import PrefixCache
 from dgemma.engine.autoregressive import AutoregressiveEngine
@@ -7,6 +7,7 @@ from dgemma.engine.engine import Engine
 from dgemma.engine.output import OutputStream, Result, StreamEvent
 from dgemma.engine.reference import ReferenceRunner
 from dgemma.engine.request import Event, Request, Stats
+from dgemma.engine.speculative import SpeculativeEngine
 
 __all__ = ["AutoregressiveEngine", "Engine", "Event", "OutputStream", "PrefixCache", "ReferenceRunner", "Request",
-           "Result", "Stats", "StreamEvent"]
+           "Result", "SpeculativeEngine", "Stats", "StreamEvent"]

@@ -65,7 +65,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] | None = None  # None: the model's
-    ar_temperature: float = 0.0  # autoregressive mode only; 0 is greedy
+    ar_temperature: float = 0.0  # autoregressive and speculative modes only; 0 is greedy
     grammar: Grammar | None = None  # the output must match it (sampling/constraints.py)
     seeded: Layout | None = None  # fixed tokens and holes (sampling/seeded.py); sets max_new_tokens
     logprobs: int | None = None  # report log-probabilities with this many alternatives (sampling/logprobs.py)

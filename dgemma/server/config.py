@@ -133,7 +133,7 @@ class ServerConfig:
     def limits(self) -> Limits:
         """The request caps, for the one request validator (SamplingParams.validate)."""
         cache = None if self.max_cache_mb is None else int(self.max_cache_mb * 2**20)
-        diffusion = self.mode == "diffusion"  # denoising steps mean nothing to the autoregressive mode
+        diffusion = self.mode == "diffusion"  # denoising steps mean nothing to the other modes
         return Limits(self.max_prompt_tokens, self.max_tokens, self.max_stop, self.max_stop_chars, cache,
                       self.max_denoising_steps if diffusion else None, self.max_temperature,
                       self.max_token_steps if diffusion else None)

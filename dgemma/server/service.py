@@ -135,8 +135,8 @@ class Service:
         for name in ("stream_options", "dgemma_drafts"):
             if getattr(body, name) and not body.stream:
                 raise bad_request(f"{name} needs stream=true", name)
-        if self.config.mode == "autoregressive" and (feature := _diffusion_only(body)) is not None:
-            raise unsupported(feature, f"{feature} in autoregressive mode (--mode autoregressive)")
+        if self.config.mode != "diffusion" and (feature := _diffusion_only(body)) is not None:
+            raise unsupported(feature, f"{feature} in {self.config.mode} mode (--mode {self.config.mode})")
         if body.temperature is not None and {"t_min", "t_max"} & _overrides(body).keys():
             raise bad_request("temperature and dgemma_sampling.t_min / t_max both set the schedule; send one",
                               "dgemma_sampling")
@@ -245,7 +245,7 @@ def _overrides(body: OpenAIRequest) -> dict[str, Any]:
 
 
 def _diffusion_only(body: OpenAIRequest) -> str | None:
-    """The first field set that autoregressive decoding cannot honour: a nucleus cut (top_p < 1; neither mode has
+    """The first field set that autoregressive (and speculative) decoding cannot honour: a nucleus cut (top_p < 1; neither mode has
     one, but diffusion documents it as accepted), the denoising options, drafts."""
     if body.top_p is not None and body.top_p < 1:
         return "top_p"

@@ -1,0 +1,119 @@
+"""Speculative decoding (engine/speculative.py): the decoder drafts, the encoder checks, and the ids are autoregressive
+decoding's. Checked against transformers' own encoder argmax (tiny random checkpoints, many cycles, sliding rings
+wrapped), against drafts that are right up to a planted wrong id (a cycle then caches exactly the ids before it,
+and the rejected slots leave no trace), and on the bundled model: greedy, sampled, with a grammar, through the
+CLI."""
+
+import itertools
+import json
+
+import pytest
+import torch
+
+import dgemma
+from dgemma import Grammar
+from dgemma.cli import main
+from dgemma.engine import SpeculativeEngine
+from reference import CONFIGS, build_reference, reference_logits
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def pair(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(f"spec_{request.param}")
+    return build_reference(request.param, d), dgemma.load(d)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return dgemma.load(dtype="float32")
+
+
+def _prompt(model, n=7, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, model.module.cfg.text.vocab_size, (n,), generator=g).tolist()
+
+
+def test_greedy_ids_are_the_reference_encoders_argmax(pair):
+    """Past several canvases and the sliding windows: each id is transformers' next-token argmax after the ids
+    before it (random weights: nearly every draft is wrong, so most cycles keep one id)."""
+    ref, model = pair
+    prompt, n = _prompt(model), 3 * model.module.cfg.canvas_length + 2
+    r = model.generate(prompt, mode="speculative", max_new_tokens=n, eos_token_ids=())
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(reference_logits(ref, torch.tensor([ids]), [])[0][0, -1].argmax()))
+    assert r.token_ids == ids[len(prompt):]
+    assert r.stats["decoder_passes"] == 1 + 2 * len(r.stats["verified"])
+
+
+def test_a_cycle_keeps_the_draft_up_to_its_first_wrong_id(pair, monkeypatch):
+    """Drafts copied from the autoregressive answer with one id changed at a planned position (or none): each
+    cycle caches the given token and the drafted ids before the wrong one, so the cache grows by exactly that
+    position (the whole checked span when nothing is wrong), and the answer stays the autoregressive one."""
+    _, model = pair
+    c, vocab = model.module.cfg.canvas_length, model.module.cfg.text.vocab_size
+    prompt, n = _prompt(model, seed=5), 6 * c
+    expected = model.generate(prompt, mode="autoregressive", max_new_tokens=n, eos_token_ids=()).token_ids
+    plan, used = itertools.cycle([c, 2, 1, c - 1, 3]), []
+
+    def draft(self, cache, token):
+        at = cache.length - len(prompt)  # the answer index of `token`, committed but not cached yet
+        assert expected[at] == token
+        ids = (expected[at:at + c] + [0] * c)[:c]
+        used.append(next(plan))
+        if used[-1] < c:
+            ids[used[-1]] = (ids[used[-1]] + 1) % vocab
+        return ids
+
+    monkeypatch.setattr(SpeculativeEngine, "_draft", draft)
+    r = model.generate(prompt, mode="speculative", max_new_tokens=n, eos_token_ids=())
+    assert r.token_ids == expected
+    cached = [start for start, _ in r.stats["verified"]]
+    assert cached[0] == len(prompt)
+    grown = [b - a for a, b in zip(cached, cached[1:])]
+    assert grown == [min(wrong, span) for wrong, (_, span) in zip(used, r.stats["verified"])][:len(grown)]
+    assert max(grown) == c  # whole canvases were kept too
+
+
+def test_bundled_model_speculative_ids_are_autoregressive(demo):
+    """Trained weights, float32: greedy and sampled (one draw per id from the request's generator, as the
+    autoregressive engine draws), several cycles keeping more than one drafted id."""
+    prompts = [[{"role": "user", "content": p}] for p in ("Write a short poem about the sea.", "Why is the sky blue?")]
+    kept = 0
+    for prompt, options in itertools.product(prompts, ({}, {"ar_temperature": 0.8, "seed": 11})):
+        ar = demo.generate(prompt, mode="autoregressive", max_new_tokens=48, **options)
+        spec = demo.generate(prompt, mode="speculative", max_new_tokens=48, **options)
+        assert spec.token_ids == ar.token_ids and spec.finish_reason == ar.finish_reason
+        cached = [start for start, _ in spec.stats["verified"]]
+        kept += sum(b - a > 1 for a, b in zip(cached, cached[1:]))
+    assert kept >= 4
+
+
+def test_bundled_model_grammar_ids_are_autoregressive(demo):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    out = {mode: demo.generate("Describe a person as JSON:", mode=mode, max_new_tokens=40,
+                               grammar=Grammar.json_schema(schema)) for mode in ("autoregressive", "speculative")}
+    assert out["speculative"].token_ids == out["autoregressive"].token_ids
+    assert out["speculative"].finish_reason == "stop" and set(json.loads(out["speculative"].text)) == {"name", "age"}
+
+
+def test_cli_speculative_mode_prints_the_autoregressive_answer(capsys):
+    def run(mode):
+        assert main(["generate", "Hello", "--mode", mode, "--max-new-tokens", "12", "--json", "--dtype",
+                     "float32"]) == 0
+        return json.loads(capsys.readouterr().out)["token_ids"]
+
+    assert run("speculative") == run("autoregressive")
+    assert main(["generate", "Hello", "--mode", "speculative", "--steps", "4"]) == 2
+    assert "--steps applies to diffusion decoding" in capsys.readouterr().err
+
+
+def test_the_cache_forgets_only_what_its_rings_can_give_back(demo):
+    cache = demo.module.new_cache(1, 64)
+    demo.module.prefill(torch.tensor([[5] * 40]), cache)
+    room = demo.module.cfg.canvas_length
+    cache.truncate(40 - room)
+    assert cache.length == 40 - room
+    with pytest.raises(ValueError, match="newest"):
+        cache.truncate(40 - 2 * room - 1)
