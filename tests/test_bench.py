@@ -60,7 +60,7 @@ def test_fixed_steps_runs_every_engine_and_ends_with_json(ckpt, capsys):
     assert not any("target" in line for line in lines)
     assert rep["machine"]["matmul"]["float32"]["gflops"] > 0 and rep["machine"]["cpu_capability"]
     runs = {(r["engine"], r["batch"]): r for r in rep["runs"]}
-    assert set(runs) == {("dgemma", 1), ("dgemma", 2), ("autoregressive", 1), ("reference", 1)}
+    assert set(runs) == {("dgemma", 1), ("dgemma", 2), ("autoregressive", 1), ("speculative", 1), ("reference", 1)}
     for (engine, batch), r in runs.items():
         assert "error" not in r, r.get("error")
         assert r["tokens"] == 7 * batch and r["row_tokens"] == [7] * batch  # EOS ignored: fixed length
@@ -69,7 +69,7 @@ def test_fixed_steps_runs_every_engine_and_ends_with_json(ckpt, capsys):
         assert r["flop_bound_seconds_per_step"] > 0 and r["bound_ratio"] > 0
         assert r["peak_rss_bytes"] > 0 and r["weights_bytes"] > 0
         assert r["ttft_seconds"] is not None and 0 < r["ttft_seconds"] <= r["seconds"]
-        if engine != "autoregressive":
+        if engine not in ("autoregressive", "speculative"):
             assert r["steps_per_canvas"] == [[2, 2]] * batch  # 7 tokens = 2 canvases of 5, exactly --steps each
             assert r["tokens_per_forward"] == pytest.approx(7 / 4)
             assert r["settings"]["steps"] == "--steps 2 (fixed)"
@@ -79,8 +79,12 @@ def test_fixed_steps_runs_every_engine_and_ends_with_json(ckpt, capsys):
             assert (r["rows_per_pass"], r["done_rows"], r["done_row_seconds"]) == (batch, 0, 0.0)
         else:
             assert r["rows_per_pass"] is None and r["done_row_seconds"] is None
-    d1, ar = runs[("dgemma", 1)], runs[("autoregressive", 1)]
+    d1, ar, spec = runs[("dgemma", 1)], runs[("autoregressive", 1)], runs[("speculative", 1)]
     assert ar["settings"] == {"mode": "autoregressive", "eos": "ignored", "temperature": 0.0}
+    assert spec["settings"] == {"mode": "speculative", "eos": "ignored", "temperature": 0.0}
+    # the prefill's head gives the first id, each cycle a draft pass and a checking pass
+    drafted = sum(d for _, _, d in spec["cycles"][0])
+    assert spec["passes"] == 1 + len(spec["cycles"][0]) + drafted and ar["passes"] == 7
     ratios = rep["ratios"]
     assert "diffusion_vs_autoregressive_float32" not in ratios  # fixed steps are not what a user runs
     assert ratios == pytest.approx({
@@ -88,7 +92,9 @@ def test_fixed_steps_runs_every_engine_and_ends_with_json(ckpt, capsys):
         "fixed_2_steps_dgemma_float32_vs_reference_float32":
             d1["tokens_per_second"] / runs[("reference", 1)]["tokens_per_second"],
         "fixed_2_steps_batch2_vs_batch1_dgemma_float32":
-            runs[("dgemma", 2)]["tokens_per_second"] / d1["tokens_per_second"]})
+            runs[("dgemma", 2)]["tokens_per_second"] / d1["tokens_per_second"],
+        "fixed_2_steps_diffusion_vs_speculative_float32": d1["tokens_per_second"] / spec["tokens_per_second"],
+        "speculative_vs_autoregressive_float32": spec["tokens_per_second"] / ar["tokens_per_second"]})
 
 
 def test_default_runs_at_the_checkpoints_adaptive_settings(adaptive_ckpt, capsys):
@@ -125,10 +131,11 @@ def test_steps_are_not_forced_by_default():
     assert {j.steps for j in jobs} == {None}
     assert all("max_denoising_steps" not in j.overrides() for j in jobs)
     assert [(j.engine, j.batch) for j in jobs if j.dtype == "float32"] == [
-        ("dgemma", 1), ("dgemma", 4), ("reference", 1), ("autoregressive", 1)]
+        ("dgemma", 1), ("dgemma", 4), ("reference", 1), ("autoregressive", 1), ("speculative", 1)]
     both = plan(_args("--steps", "auto,4", "--batch", "1", "--dtype", "float32"), "m")
     assert [(j.engine, j.steps) for j in both] == [("dgemma", None), ("dgemma", 4), ("reference", None),
-                                                   ("reference", 4), ("autoregressive", None)]
+                                                   ("reference", 4), ("autoregressive", None),
+                                                   ("speculative", None)]
     assert both[1].overrides()["max_denoising_steps"] == 4
 
 

@@ -43,7 +43,8 @@ def test_greedy_ids_are_the_reference_encoders_argmax(pair):
     for _ in range(n):
         ids.append(int(reference_logits(ref, torch.tensor([ids]), [])[0][0, -1].argmax()))
     assert r.token_ids == ids[len(prompt):]
-    assert r.stats["decoder_passes"] == 1 + 2 * len(r.stats["verified"])
+    drafted = sum(d for _, _, d in r.stats["cycles"])
+    assert r.stats["decoder_passes"] == 1 + len(r.stats["cycles"]) + drafted
 
 
 def test_a_cycle_keeps_the_draft_up_to_its_first_wrong_id(pair, monkeypatch):
@@ -66,27 +67,42 @@ def test_a_cycle_keeps_the_draft_up_to_its_first_wrong_id(pair, monkeypatch):
         return ids
 
     monkeypatch.setattr(SpeculativeEngine, "_draft", draft)
+    monkeypatch.setattr(SpeculativeEngine, "paced", False)
     r = model.generate(prompt, mode="speculative", max_new_tokens=n, eos_token_ids=())
     assert r.token_ids == expected
-    cached = [start for start, _ in r.stats["verified"]]
+    assert all(drafted for _, _, drafted in r.stats["cycles"])
+    cached = [start for start, _, _ in r.stats["cycles"]]
     assert cached[0] == len(prompt)
     grown = [b - a for a, b in zip(cached, cached[1:])]
-    assert grown == [min(wrong, span) for wrong, (_, span) in zip(used, r.stats["verified"])][:len(grown)]
+    assert grown == [min(wrong, span) for wrong, (_, span, _) in zip(used, r.stats["cycles"])][:len(grown)]
     assert max(grown) == c  # whole canvases were kept too
 
 
-def test_bundled_model_speculative_ids_are_autoregressive(demo):
+@pytest.mark.parametrize("paced", [True, False])
+def test_bundled_model_speculative_ids_are_autoregressive(demo, monkeypatch, paced):
     """Trained weights, float32: greedy and sampled (one draw per id from the request's generator, as the
-    autoregressive engine draws), several cycles keeping more than one drafted id."""
+    autoregressive engine draws); drafting at every step, several cycles keep more than one drafted id."""
+    monkeypatch.setattr(SpeculativeEngine, "paced", paced)
     prompts = [[{"role": "user", "content": p}] for p in ("Write a short poem about the sea.", "Why is the sky blue?")]
     kept = 0
     for prompt, options in itertools.product(prompts, ({}, {"ar_temperature": 0.8, "seed": 11})):
         ar = demo.generate(prompt, mode="autoregressive", max_new_tokens=48, **options)
         spec = demo.generate(prompt, mode="speculative", max_new_tokens=48, **options)
         assert spec.token_ids == ar.token_ids and spec.finish_reason == ar.finish_reason
-        cached = [start for start, _ in spec.stats["verified"]]
+        cached = [start for start, _, _ in spec.stats["cycles"]]
         kept += sum(b - a > 1 for a, b in zip(cached, cached[1:]))
-    assert kept >= 4
+    assert kept >= 4 or paced
+
+
+def test_drafts_that_never_hold_give_way_to_plain_steps(demo, monkeypatch):
+    """Every draft wrong at its first position: after a few tries (1, 2, 4, ... plain steps between them) nearly
+    every id comes from a plain step, and the ids are still the autoregressive ones."""
+    monkeypatch.setattr(SpeculativeEngine, "_draft", lambda self, cache, token: [token] + [0] * 31)
+    ar = demo.generate("Once upon a time", mode="autoregressive", max_new_tokens=64, eos_token_ids=())
+    spec = demo.generate("Once upon a time", mode="speculative", max_new_tokens=64, eos_token_ids=())
+    assert spec.token_ids == ar.token_ids
+    drafted = sum(d for _, _, d in spec.stats["cycles"])
+    assert 1 <= drafted <= 8 and len(spec.stats["cycles"]) == 63
 
 
 def test_bundled_model_grammar_ids_are_autoregressive(demo):

@@ -90,7 +90,7 @@ def flops(cfg, result, mode: str, soft_top_k: int | None = None) -> float:
     if mode == "autoregressive":  # one pass per generated token, the final EOS included
         return autoregressive_flops(cfg, result.prompt_tokens, result.stats["decoder_passes"])["total"]
     if mode == "speculative":
-        return speculative_flops(cfg, result.prompt_tokens, result.stats["verified"])["total"]
+        return speculative_flops(cfg, result.prompt_tokens, result.stats["cycles"])["total"]
     full = diffusion_flops(cfg, result.prompt_tokens, result.stats["steps_per_canvas"])["total"]
     return full - saved_flops(cfg, result.stats, soft_top_k, result.prompt_tokens)
 

@@ -108,7 +108,8 @@ def _model_dir(model: str | None) -> Path:
 
 
 def plan(args: argparse.Namespace, model: str) -> list[Job]:
-    """One Job per (engine, dtype, batch, steps); autoregressive decoding runs at batch 1 and has no steps."""
+    """One Job per (engine, dtype, batch, steps); autoregressive and speculative decoding run at batch 1 and have no
+    steps."""
     engines, dtypes, ref_dtypes = _csv(args.engines), _csv(args.dtype), _csv(args.reference_dtype)
     batches, ref_batches = _csv(args.batch, int), _csv(args.reference_batch, int)
     steps = parse_steps(args.steps)
@@ -119,6 +120,7 @@ def plan(args: argparse.Namespace, model: str) -> list[Job]:
     quants = [None if q == "none" else q for q in _csv(args.quantize)]
     shapes = {"dgemma": [(d, b, n, q) for d in dtypes for q in quants for b in batches for n in steps],
               "autoregressive": [(d, 1, None, None) for d in dtypes],
+              "speculative": [(d, 1, None, None) for d in dtypes],
               "reference": [(d, b, n, None) for d in ref_dtypes for b in ref_batches for n in steps]}
     return [Job(e, d, b, steps=n, quantize=q, **common) for e in ENGINES if e in engines
             for d, b, n, q in shapes[e]]

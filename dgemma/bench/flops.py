@@ -85,17 +85,18 @@ def autoregressive_flops(cfg: ModelConfig, prompt_len: int, tokens: int) -> dict
     return {"total": total, "steps": tokens, "decoder_step": head + body_flops(t, 1, prompt_len, causal=True)}
 
 
-def speculative_flops(cfg: ModelConfig, prompt_len: int, verified: list[tuple[int, int]]) -> dict[str, float]:
-    """One prompt: prefill and the LM head of its last position (the first token), then per cycle a decoder pass
-    over a canvas (LM head on every position) and an encoder pass with the LM head over the `span` ids checked
-    after `cached` slots (`verified`, engine/speculative.py)."""
+def speculative_flops(cfg: ModelConfig, prompt_len: int, cycles: list[tuple[int, int, bool]]) -> dict[str, float]:
+    """One prompt: prefill and the LM head of its last position (the first token), then per step (`cycles`,
+    engine/speculative.py) an encoder pass with the LM head over the ids it encoded after the cached slots, and
+    where it drafted, a decoder pass over a canvas with the LM head on every position."""
     t, c = cfg.text, cfg.canvas_length
     row = 2 * t.hidden_size * t.vocab_size
     total = body_flops(t, prompt_len, 0, causal=True) + row
-    for cached, span in verified:
-        total += body_flops(t, c, cached, causal=False) + c * row + body_flops(t, span, cached, causal=True) + span * row
-    return {"total": total, "steps": 2 * len(verified), "decoder_step": body_flops(t, c, prompt_len, causal=False)
-            + c * row}
+    for cached, n, drafted in cycles:
+        total += body_flops(t, n, cached, causal=True) + n * row
+        total += (body_flops(t, c, cached, causal=False) + c * row) * drafted
+    return {"total": total, "steps": sum(1 + drafted for _, _, drafted in cycles),
+            "decoder_step": body_flops(t, c, prompt_len, causal=False) + c * row}
 
 
 def add_bounds(run: dict[str, Any], cfg: ModelConfig, machine: dict[str, Any]) -> dict[str, Any]:
@@ -105,6 +106,8 @@ def add_bounds(run: dict[str, Any], cfg: ModelConfig, machine: dict[str, Any]) -
         return run
     if run["engine"] == "autoregressive":
         rows = [autoregressive_flops(cfg, run["prompt_len"], n) for n in run["row_tokens"]]
+    elif run["engine"] == "speculative":
+        rows = [speculative_flops(cfg, run["prompt_len"], v) for v in run["cycles"]]
     else:
         rows = [diffusion_flops(cfg, run["prompt_len"], spc) for spc in run["steps_per_canvas"]]
     peaks = machine["matmul"]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-ENGINES = ("dgemma", "reference", "autoregressive")
+ENGINES = ("dgemma", "reference", "autoregressive", "speculative")
+TOKEN_ENGINES = ("autoregressive", "speculative")  # the encoder's next-token ids: batch 1, no denoising steps
 FIXED_STEPS_THRESHOLD = 1e-30  # mean token entropy never gets this low: no canvas stops before --steps
 
 
@@ -35,7 +36,7 @@ class Job:
 
     @property
     def diffusion(self) -> bool:
-        return self.engine != "autoregressive"
+        return self.engine not in TOKEN_ENGINES
 
     def overrides(self) -> dict:
         """What this job changes in the checkpoint's generation defaults (SamplingParams fields)."""
@@ -48,7 +49,7 @@ class Job:
 
     def decoding(self) -> dict:
         """The `generate` switches: mode, and the sampling path of dgemma's diffusion."""
-        return {"mode": "autoregressive"} if not self.diffusion else {"sampling": self.sampling}
+        return {"mode": self.engine} if not self.diffusion else {"sampling": self.sampling}
 
 
 def log(msg: str) -> None:

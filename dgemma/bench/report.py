@@ -6,6 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from dgemma.bench.job import TOKEN_ENGINES
 from dgemma.config import ModelConfig
 
 SCHEMA = "dgemma.bench/2"
@@ -29,8 +30,9 @@ def build_report(options: dict[str, Any], directory: Path, cfg: ModelConfig, mac
 
 
 def compute_ratios(runs: list[dict]) -> dict[str, float]:
-    """tokens/s ratios of dgemma runs: at batch 1 over autoregressive decoding in the same dtype
-    (`diffusion_vs_autoregressive_<dtype>`) and over the reference at the same steps; at batch B over batch 1.
+    """tokens/s ratios of dgemma runs: at batch 1 over autoregressive and speculative decoding in the same dtype
+    (`diffusion_vs_autoregressive_<dtype>`, `diffusion_vs_speculative_<dtype>`; and speculative over
+    autoregressive, which give the same ids) and over the reference at the same steps; at batch B over batch 1.
     Keys of runs at fixed steps start `fixed_<N>_steps_`: only unprefixed keys compare what a user runs."""
     ok = [r for r in runs if r.get("tokens_per_second")]
     out = {}
@@ -46,8 +48,13 @@ def compute_ratios(runs: list[dict]) -> dict[str, float]:
             continue
         if (ar := _find(ok, "autoregressive", dtype, None)) is not None:
             out[f"{tag}diffusion_vs_autoregressive_{dtype}"] = _speedup(a, ar)
+        if (spec := _find(ok, "speculative", dtype, None)) is not None:
+            out[f"{tag}diffusion_vs_speculative_{dtype}"] = _speedup(a, spec)
         for ref in (r for r in ok if r["engine"] == "reference" and r["batch"] == 1 and r["steps"] == a["steps"]):
             out[f"{tag}dgemma_{dtype}_vs_reference_{ref['dtype']}"] = _speedup(a, ref)
+    for spec in (r for r in ok if r["engine"] == "speculative"):  # same ids as autoregressive decoding
+        if (ar := _find(ok, "autoregressive", spec["dtype"], None)) is not None:
+            out[f"speculative_vs_autoregressive_{spec['dtype']}"] = _speedup(spec, ar)
     return out
 
 
@@ -109,7 +116,7 @@ def _row(r: dict[str, Any]) -> tuple[str, ...]:
 
 def _steps_label(r: dict[str, Any]) -> str:
     """What bounded each canvas: 'adaptive <=N' (checkpoint defaults), 'N fixed', or '-' (autoregressive)."""
-    if r["engine"] == "autoregressive":
+    if r["engine"] in TOKEN_ENGINES:
         return "-"
     if r["steps"] is not None:
         return f"{r['steps']} fixed"

@@ -110,7 +110,7 @@ def summarise(samples: list[dict[str, Any]]) -> dict[str, Any]:
         "tokens": tokens, "row_tokens": first["tokens"], "total_steps": first["steps"], "passes": passes,
         "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
         "seconds_per_step": seconds / first["steps"] if first["steps"] else None,
-        "steps_per_canvas": first["steps_per_canvas"],
+        "steps_per_canvas": first["steps_per_canvas"], "cycles": first.get("cycles"),
         "tokens_per_forward": tokens / passes if passes else None,
         "ttft_seconds": statistics.median(ttfts) if ttfts else None,
         **_pass_figures(first.get("engine"), seconds),
@@ -147,7 +147,7 @@ def _prompts_for(job: Job, cfg) -> list[list[int]]:
 
 def describe_settings(job: Job, params) -> dict[str, Any]:
     """The generation settings a run used (`params`: the resolved SamplingParams) and where they came from."""
-    out: dict[str, Any] = {"mode": "diffusion" if job.diffusion else "autoregressive",
+    out: dict[str, Any] = {"mode": "diffusion" if job.diffusion else job.engine,
                            "eos": "ignored" if job.ignore_eos else "respected"}
     if not job.diffusion:
         return {**out, "temperature": params.ar_temperature}
@@ -186,6 +186,7 @@ def _dgemma_runner(job: Job):
         stats = getattr(engines[-1], "stats", None)
         return {"seconds": seconds, "tokens": [len(r.token_ids) for r in results], "passes": passes,
                 "steps": max(passes), "steps_per_canvas": [list(r.stats.get("steps_per_canvas", [])) for r in results],
+                "cycles": [r.stats.get("cycles", []) for r in results],
                 "ttft_seconds": max(ttfts) if None not in ttfts else None,
                 "engine": stats.to_dict() if stats is not None else None}
 
@@ -268,7 +269,8 @@ def _reference_counts(job: Job, ref, ids: torch.Tensor, out, clock: _CanvasClock
     return {"tokens": tokens, "passes": passes, "steps": clock.passes, "steps_per_canvas": [spc] * len(rows)}
 
 
-RUNNERS = {"dgemma": _dgemma_runner, "autoregressive": _dgemma_runner, "reference": _reference_runner}
+RUNNERS = {"dgemma": _dgemma_runner, "autoregressive": _dgemma_runner, "speculative": _dgemma_runner,
+           "reference": _reference_runner}
 
 
 def tensor_bytes(module: torch.nn.Module) -> int:

@@ -27,7 +27,8 @@ class Stats:
     sparse_soft_rows: int = 0
     skipped_body_rows: int = 0  # canvas positions left out of the body (settled_kv_reuse, early_commit_cache)
     encoded_early: int = 0  # ids of a last canvas encoded into the cache (early_commit_cache): extra work
-    verified: list[tuple[int, int]] = field(default_factory=list)  # speculative: (cached slots, ids checked) a cycle
+    # speculative decoding, one entry a step: (slots cached before it, ids it encoded, whether a draft was checked)
+    cycles: list[tuple[int, int, bool]] = field(default_factory=list)
     t_arrival: float = field(default_factory=time.perf_counter)
     t_start: float | None = None
     t_first_commit: float | None = None
@@ -44,7 +45,7 @@ class Stats:
             "sparse_soft_rows": self.sparse_soft_rows,
             "skipped_body_rows": self.skipped_body_rows,
             "encoded_early": self.encoded_early,
-            "verified": [list(v) for v in self.verified],
+            "cycles": [list(v) for v in self.cycles],
             "tokens_per_forward": (n_tokens + self.eos_tokens) / self.decoder_passes if self.decoder_passes else 0.0,
             "seconds": seconds,
             "queue_seconds": (self.t_start or self.t_arrival) - self.t_arrival,

@@ -7,10 +7,13 @@ position, and the draft is kept up to its first position where that choice diffe
 token. Each token is chosen by `autoregressive.next_token` from the same logits autoregressive decoding would give
 it (up to float rounding: several positions per pass), with one draw per token from the request's generator,
 so the ids are `AutoregressiveEngine`'s, greedy or sampled, with a grammar or not; what the draft gets right is
-how many of them one cycle commits. Rejected slots leave the cache (`KVCache.truncate`). Requests run one after
-another."""
+how many of them one cycle commits. Rejected slots leave the cache (`KVCache.truncate`). Where drafts seldom hold
+(a weak or mismatched decoder), `Pace` falls back to plain autoregressive steps and tries a draft again now and
+then. Requests run one after another."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -21,14 +24,59 @@ from dgemma.sampling import make_generator
 from dgemma.sampling.samplers import random_tokens
 
 
+MAX_PLAIN = 64  # plain steps between two tries of a draft, at most
+
+
+class Pace:
+    """When to draft: while a cycle commits ids faster than a plain autoregressive step does (both timed), every
+    step drafts; a slower cycle sends the next 1, 2, 4, ... (at most MAX_PLAIN) ids through plain steps before the
+    next try. It sets the speed only: the ids are the same either way."""
+
+    def __init__(self):
+        self.plain_rate: float | None = None  # ids per second of plain steps (running mean)
+        self.backoff = self.plain = 0  # plain steps: the current back-off, and how many are left before a try
+
+    def drafts(self) -> bool:
+        """Whether the next step drafts (else it is a plain step)."""
+        if self.plain:
+            self.plain -= 1
+            return False
+        return True
+
+    def cycled(self, ids: int, seconds: float) -> None:
+        if self.plain_rate is None:
+            self.plain = int(ids == 1)  # a cycle kept no draft: time a plain step before judging
+        elif ids / seconds < self.plain_rate:
+            self.backoff = self.plain = min(2 * self.backoff or 1, MAX_PLAIN)
+        else:
+            self.backoff = 0
+
+    def stepped(self, seconds: float) -> None:
+        rate = 1 / seconds
+        self.plain_rate = rate if self.plain_rate is None else (self.plain_rate + rate) / 2
+
+
 class SpeculativeEngine(AutoregressiveEngine):
     mode = "speculative"
+    paced = True  # False: draft at every step (tests of the cycle itself)
 
     def _start(self, req: Request) -> tuple[Request, KVCache, torch.Tensor]:
         self.noise = make_generator(req.params.seed, self.model.device)  # the drafts' own: the ids never use it
+        self.pace = Pace()
         return super()._start(req)
 
     def _advance(self, req: Request, cache: KVCache, token: int, events: list[Event]) -> list[int]:
+        t0 = time.perf_counter()
+        if self.paced and not self.pace.drafts():
+            start, tokens = cache.length, super()._advance(req, cache, token, events)
+            req.stats.cycles.append((start, 1, False))
+            self.pace.stepped(time.perf_counter() - t0)
+            return tokens
+        tokens = self._cycle(req, cache, token, events)
+        self.pace.cycled(len(tokens), time.perf_counter() - t0)
+        return tokens
+
+    def _cycle(self, req: Request, cache: KVCache, token: int, events: list[Event]) -> list[int]:
         """Draft after `token`, check the draft in the encoder pass that caches it (and `token`); the drafted ids
         that hold, then the next token."""
         draft = self._draft(cache, token)
@@ -37,7 +85,7 @@ class SpeculativeEngine(AutoregressiveEngine):
         start, span = cache.length, self._span(req, draft)
         logits = self.model.head(self.model.encode(torch.tensor([draft[:span]], device=self.model.device), cache))
         req.stats.decoder_passes += 2
-        req.stats.verified.append((start, span))
+        req.stats.cycles.append((start, span, True))
         tokens = []
         for i in range(span):  # logits[:, i] choose the id after draft[i]
             tokens.append(next_token(req, logits[:, i]))
