@@ -20,6 +20,7 @@ import torch
 from dgemma.cache import KVCache
 from dgemma.engine.autoregressive import AutoregressiveEngine, emit, next_token
 from dgemma.engine.request import Event, Request
+from dgemma.model import DiffusionGemma
 from dgemma.sampling import make_generator
 from dgemma.sampling.samplers import random_tokens
 
@@ -33,8 +34,12 @@ class Pace:
     next try. It sets the speed only: the ids are the same either way."""
 
     def __init__(self):
-        self.plain_rate: float | None = None  # ids per second of plain steps (running mean)
+        self.plain_rate: float | None = None  # ids per second of plain steps (running mean; kept across requests)
         self.backoff = self.plain = 0  # plain steps: the current back-off, and how many are left before a try
+
+    def restart(self) -> None:
+        """A new request drafts at once."""
+        self.backoff = self.plain = 0
 
     def drafts(self) -> bool:
         """Whether the next step drafts (else it is a plain step)."""
@@ -60,9 +65,13 @@ class SpeculativeEngine(AutoregressiveEngine):
     mode = "speculative"
     paced = True  # False: draft at every step (tests of the cycle itself)
 
+    def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...]):
+        super().__init__(model, eos_ids)
+        self.pace = Pace()
+
     def _start(self, req: Request) -> tuple[Request, KVCache, torch.Tensor]:
         self.noise = make_generator(req.params.seed, self.model.device)  # the drafts' own: the ids never use it
-        self.pace = Pace()
+        self.pace.restart()
         return super()._start(req)
 
     def _advance(self, req: Request, cache: KVCache, token: int, events: list[Event]) -> list[int]:
