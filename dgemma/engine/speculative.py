@@ -68,6 +68,7 @@ class SpeculativeEngine(AutoregressiveEngine):
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...]):
         super().__init__(model, eos_ids)
         self.pace = Pace()
+        self.noise: torch.Generator | None = None  # the running request's draft noise
 
     def _start(self, req: Request) -> tuple[Request, KVCache, torch.Tensor]:
         self.noise = make_generator(req.params.seed, self.model.device)  # the drafts' own: the ids never use it
