@@ -283,10 +283,9 @@ class Model:
         if mode not in MODES or sampling not in SAMPLINGS:
             bad, name, names = (("mode", mode, MODES) if mode not in MODES else ("sampling", sampling, SAMPLINGS))
             raise SamplingParamsError(f"{bad}={name!r} must be one of {', '.join(names)}", bad)
-        if mode == "autoregressive":
-            runner = AutoregressiveEngine(self.module, eos)
-        elif mode == "speculative":
-            runner = SpeculativeEngine(self.module, eos)
+        if mode in ("autoregressive", "speculative"):
+            engine = AutoregressiveEngine if mode == "autoregressive" else SpeculativeEngine
+            runner = engine(self.module, eos, max_batch)
         elif sampling == "reference":
             runner = ReferenceRunner(self.module, eos, self.pad_id)
         else:

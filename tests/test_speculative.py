@@ -57,16 +57,17 @@ def test_a_cycle_keeps_the_draft_up_to_its_first_wrong_id(pair, monkeypatch):
     expected = model.generate(prompt, mode="autoregressive", max_new_tokens=n, eos_token_ids=()).token_ids
     plan, used = itertools.cycle([c, 2, 1, c - 1, 3]), []
 
-    def draft(self, cache, token):
-        at = cache.length - len(prompt)  # the answer index of `token`, committed but not cached yet
-        assert expected[at] == token
+    def drafts(self, rows):
+        (row,) = rows
+        at = row.cache.length - len(prompt)  # the answer index of the row's token, committed but not cached yet
+        assert expected[at] == row.token
         ids = (expected[at:at + c] + [0] * c)[:c]
         used.append(next(plan))
         if used[-1] < c:
             ids[used[-1]] = (ids[used[-1]] + 1) % vocab
-        return ids
+        return [ids]
 
-    monkeypatch.setattr(SpeculativeEngine, "_draft", draft)
+    monkeypatch.setattr(SpeculativeEngine, "_drafts", drafts)
     monkeypatch.setattr(SpeculativeEngine, "paced", False)
     r = model.generate(prompt, mode="speculative", max_new_tokens=n, eos_token_ids=())
     assert r.token_ids == expected
@@ -97,7 +98,7 @@ def test_bundled_model_speculative_ids_are_autoregressive(demo, monkeypatch, pac
 def test_drafts_that_never_hold_give_way_to_plain_steps(demo, monkeypatch):
     """Every draft wrong at its first position: after a few tries (1, 2, 4, ... plain steps between them) nearly
     every id comes from a plain step, and the ids are still the autoregressive ones."""
-    monkeypatch.setattr(SpeculativeEngine, "_draft", lambda self, cache, token: [token] + [0] * 31)
+    monkeypatch.setattr(SpeculativeEngine, "_drafts", lambda self, rows: [[r.token] + [0] * 31 for r in rows])
     ar = demo.generate("Once upon a time", mode="autoregressive", max_new_tokens=64, eos_token_ids=())
     spec = demo.generate("Once upon a time", mode="speculative", max_new_tokens=64, eos_token_ids=())
     assert spec.token_ids == ar.token_ids
@@ -133,3 +134,26 @@ def test_the_cache_forgets_only_what_its_rings_can_give_back(demo):
     assert cache.length == 40 - room
     with pytest.raises(ValueError, match="newest"):
         cache.truncate(40 - 2 * room - 1)
+
+
+@pytest.mark.parametrize("mode", ["autoregressive", "speculative"])
+def test_rows_in_one_batch_get_the_ids_they_get_alone(demo, mode):
+    """Five requests of different lengths and temperatures through one engine of 4 rows, two of them arriving
+    after a few steps (one waits for room): each gets the ids it gets alone (float32, trained weights)."""
+    texts = ("Write a short poem about the sea.", "Why is the sky blue?", "Tell me a story about a dragon.",
+             "What is the capital of France?", "List three prime numbers.")
+    prompts = [demo.encode_prompt([{"role": "user", "content": t}]) for t in texts]
+    params = [demo.params(max_new_tokens=n, seed=i, ar_temperature=t)
+              for i, (n, t) in enumerate(zip((40, 12, 33, 25, 18), (0.0, 0.8, 0.0, 1.0, 0.0)))]
+    alone = [demo.runner(mode).generate([p], q)[0].output for p, q in zip(prompts, params)]
+    engine = demo.runner(mode, max_batch=4)
+    reqs = [engine.add_request(p, q) for p, q in zip(prompts[:3], params[:3])]
+    running, steps = [], 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        if steps == 4:
+            reqs += [engine.add_request(p, q) for p, q in zip(prompts[3:], params[3:])]
+        running.append(engine.num_running)
+    assert [r.output for r in reqs] == alone
+    assert max(running) == 4 and len(running) < sum(len(a) for a in alone)

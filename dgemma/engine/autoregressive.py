@@ -1,12 +1,15 @@
-"""Autoregressive decoding of the same weights: the encoder as a plain next-token model, one token per pass.
-Same interface and events as `Engine`, so the API and the server drive either; requests run one after
-another, one token per `step()`. `next_token` and `emit` are the token rule and the commit rule it shares with
-the speculative engine (`speculative.py`), whose output is this one's."""
+"""Autoregressive decoding of the same weights: the encoder as a plain next-token model. Same interface and events
+as `Engine`, so the API and the server drive either. Up to `max_batch` requests run together, one token each per
+`step()` (one encoder pass over their last tokens, each row its own cache); a waiting request starts at the next
+step while there is room. `next_token` and `emit` are the token rule and the commit rule it shares with the
+speculative engine (`speculative.py`), whose output is this one's."""
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,53 +46,64 @@ def emit(req: Request, tokens: list[int], events: list[Event]) -> None:
         req.finish("length", events)
 
 
+@dataclass
+class Row:
+    req: Request
+    cache: KVCache  # its own: rows join and leave without copying each other's
+    token: int  # its last committed token, not yet in the cache
+    state: Any = None  # what a subclass keeps per row (speculative: its drafts' noise and pace)
+
+
 class AutoregressiveEngine(Runner):
     mode = "autoregressive"
 
-    def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...]):
+    def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], max_batch: int = 1):
         super().__init__(model, eos_ids)
-        # the running request, its cache, and its last committed token (not yet in the cache)
-        self.current: tuple[Request, KVCache, int] | None = None
+        self.max_batch = max(1, max_batch)
+        self.rows: list[Row] = []
 
     def held(self) -> list[Request]:
-        return self.waiting + ([self.current[0]] if self.current else [])
+        return self.waiting + [r.req for r in self.rows]
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or self.current is not None
+        return bool(self.waiting) or bool(self.rows)
 
     @property
     def num_running(self) -> int:
-        return int(self.current is not None)
+        return len(self.rows)
 
     @torch.inference_mode()
     def step(self) -> list[Event]:
-        """Start the next waiting request if none runs (its first token comes from the prompt's prefill), else
-        commit the current one's next tokens (`_advance`)."""
+        """Start the waiting requests there is room for (each first token comes from its prompt's prefill), else
+        commit every running request's next tokens (`_advance`)."""
         events: list[Event] = []
-        if self.current is None or self.current[0].finished:
-            self.current = None
-            if not self.waiting:
-                return events
-            req, cache, hidden = self._start(self.waiting.pop(0))
-            tokens = [next_token(req, self.model.head(hidden))]
-        else:
-            req, cache, token = self.current
-            tokens = self._advance(req, cache, token, events)
-        emit(req, tokens, events)
-        self.current = None if req.finished else (req, cache, tokens[-1])
+        self.rows = [r for r in self.rows if not r.req.finished]
+        if self.waiting and len(self.rows) < self.max_batch:
+            while self.waiting and len(self.rows) < self.max_batch:
+                self.rows.append(self._start(self.waiting.pop(0), events))
+        elif self.rows:
+            for row, tokens in zip(self.rows, self._advance(self.rows, events)):
+                emit(row.req, tokens, events)
+                row.token = tokens[-1]
+        self.rows = [r for r in self.rows if not r.req.finished]
         return events
 
-    def _advance(self, req: Request, cache: KVCache, token: int, events: list[Event]) -> list[int]:
-        """Cache `token`; the token after it."""
-        hidden = self.model.encode(torch.tensor([[token]], device=self.model.device), cache)[:, -1]
-        req.stats.decoder_passes += 1
-        return [next_token(req, self.model.head(hidden))]
+    def _advance(self, rows: list[Row], events: list[Event]) -> list[list[int]]:
+        """Cache each row's token in one encoder pass; the token after it, per row."""
+        ids = torch.tensor([[r.token] for r in rows], device=self.model.device)
+        logits = self.model.head(self.model.encode(ids, [r.cache for r in rows])[:, -1])
+        for r in rows:
+            r.req.stats.decoder_passes += 1
+        return [[next_token(r.req, logits[i:i + 1])] for i, r in enumerate(rows)]
 
-    def _start(self, req: Request) -> tuple[Request, KVCache, torch.Tensor]:
-        """Prefill the prompt into a new cache; the last position's hidden state [1, H]."""
+    def _start(self, req: Request, events: list[Event]) -> Row:
+        """Prefill the prompt into a new cache and commit the first token."""
         req.stats.t_start = time.perf_counter()
         if req.grammar is not None:
             req.grammar.start_canvas(req.params.max_new_tokens + 1, req.params.max_new_tokens)  # one prefix
         cache = self.model.new_cache(1, len(req.prompt) + req.params.max_new_tokens + 1)
+        hidden = self.model.prefill(torch.tensor([req.prompt], device=self.model.device), cache)
         req.stats.decoder_passes += 1  # the prompt's last position gives the first token
-        return req, cache, self.model.prefill(torch.tensor([req.prompt], device=self.model.device), cache)
+        token = next_token(req, self.model.head(hidden))
+        emit(req, [token], events)
+        return Row(req, cache, token)

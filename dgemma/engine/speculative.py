@@ -9,18 +9,17 @@ it (up to float rounding: several positions per pass), with one draw per token f
 so the ids are `AutoregressiveEngine`'s, greedy or sampled, with a grammar or not; what the draft gets right is
 how many of them one cycle commits. Rejected slots leave the cache (`KVCache.truncate`). Where drafts seldom hold
 (a weak or mismatched decoder), `Pace` falls back to plain autoregressive steps and tries a draft again now and
-then. Requests run one after another."""
+then. Rows run in one batch, each with its own draft noise and pace."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
-from dgemma.cache import KVCache
-from dgemma.engine.autoregressive import AutoregressiveEngine, emit, next_token
+from dgemma.engine.autoregressive import AutoregressiveEngine, Row, next_token
 from dgemma.engine.request import Event, Request
-from dgemma.model import DiffusionGemma
 from dgemma.sampling import make_generator
 from dgemma.sampling.samplers import random_tokens
 
@@ -61,60 +60,72 @@ class Pace:
         self.plain_rate = rate if self.plain_rate is None else (self.plain_rate + rate) / 2
 
 
+@dataclass
+class Drafting:
+    noise: torch.Generator  # the drafts' own: the ids never depend on it
+    pace: Pace
+
+
 class SpeculativeEngine(AutoregressiveEngine):
     mode = "speculative"
     paced = True  # False: draft at every step (tests of the cycle itself)
 
-    def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...]):
-        super().__init__(model, eos_ids)
-        self.pace = Pace()
-        self.noise: torch.Generator | None = None  # the running request's draft noise
+    def _start(self, req: Request, events: list[Event]) -> Row:
+        row = super()._start(req, events)
+        row.state = Drafting(make_generator(req.params.seed, self.model.device), Pace())
+        return row
 
-    def _start(self, req: Request) -> tuple[Request, KVCache, torch.Tensor]:
-        self.noise = make_generator(req.params.seed, self.model.device)  # the drafts' own: the ids never use it
-        self.pace.restart()
-        return super()._start(req)
-
-    def _advance(self, req: Request, cache: KVCache, token: int, events: list[Event]) -> list[int]:
+    def _advance(self, rows: list[Row], events: list[Event]) -> list[list[int]]:
+        """One cycle for every row: the rows that draft (all, or those `Pace` lets) get a draft after their token
+        from one denoising pass; one encoder pass then caches each row's token and drafted ids and checks them.
+        Per row: the drafted ids that hold, then the next token."""
         t0 = time.perf_counter()
-        if self.paced and not self.pace.drafts():
-            start, tokens = cache.length, super()._advance(req, cache, token, events)
-            req.stats.cycles.append((start, 1, False))
-            self.pace.stepped(time.perf_counter() - t0)
-            return tokens
-        tokens = self._cycle(req, cache, token, events)
-        self.pace.cycled(len(tokens), time.perf_counter() - t0)
-        return tokens
-
-    def _cycle(self, req: Request, cache: KVCache, token: int, events: list[Event]) -> list[int]:
-        """Draft after `token`, check the draft in the encoder pass that caches it (and `token`); the drafted ids
-        that hold, then the next token."""
-        draft = self._draft(cache, token)
-        if req.drafts:
-            events.append(Event(req.id, "draft", req.visible(draft[1:])))
-        start, span = cache.length, self._span(req, draft)
-        logits = self.model.head(self.model.encode(torch.tensor([draft[:span]], device=self.model.device), cache))
-        req.stats.decoder_passes += 2
-        req.stats.cycles.append((start, span, True))
-        tokens = []
-        for i in range(span):  # logits[:, i] choose the id after draft[i]
-            tokens.append(next_token(req, logits[:, i]))
-            if i + 1 == span or tokens[-1] != draft[i + 1]:
-                break
-        cache.truncate(start + len(tokens))  # `token` and the drafted ids kept; the rejected ones leave
-        return tokens
-
-    def _draft(self, cache: KVCache, token: int) -> list[int]:
-        """One denoising pass over a canvas of noise that starts with `token`: its argmax, `token` first."""
-        c, vocab = self.model.cfg.canvas_length, self.model.cfg.text.vocab_size
-        canvas = random_tokens((1, c), vocab, self.model.device, self.noise)
-        canvas[:, 0] = token
-        ids = self.model.head(self.model.denoise(canvas, cache)).argmax(-1)[0].tolist()
-        return [token, *ids[1:]]
+        drafting = [not self.paced or r.state.pace.drafts() for r in rows]
+        drafts = iter(self._drafts([r for r, d in zip(rows, drafting) if d]))
+        seqs = [next(drafts) if d else [r.token] for r, d in zip(rows, drafting)]
+        for r, d, seq in zip(rows, drafting, seqs):
+            if d and r.req.drafts:
+                events.append(Event(r.req.id, "draft", r.req.visible(seq[1:])))
+        spans = [self._span(r.req, seq) for r, seq in zip(rows, seqs)]
+        width = max(spans)  # shorter rows are padded at the end: their padding only follows them, and leaves
+        ids = torch.tensor([seq[:n] + [seq[n - 1]] * (width - n) for seq, n in zip(seqs, spans)],
+                           device=self.model.device)
+        starts = [r.cache.length for r in rows]
+        logits = self.model.head(self.model.encode(ids, [r.cache for r in rows]))  # [B, width, V]
+        out = [self._check(r, seq, n, logits[i]) for i, (r, seq, n) in enumerate(zip(rows, seqs, spans))]
+        seconds = time.perf_counter() - t0
+        for r, d, start, n, tokens in zip(rows, drafting, starts, spans, out):
+            r.cache.truncate(start + len(tokens))  # `token` and the drafted ids kept; the rest leaves
+            r.req.stats.decoder_passes += 1 + d
+            r.req.stats.cycles.append((start, n, d))
+            r.state.pace.cycled(len(tokens), seconds) if d else r.state.pace.stepped(seconds)
+        return out
 
     @staticmethod
-    def _span(req: Request, draft: list[int]) -> int:
-        """Draft positions to check: those before its first end-of-sequence id (the last of them predicts it), and
-        no more than the budget can take."""
-        end = next((i for i, t in enumerate(draft) if i and t in req.eos), len(draft))
+    def _check(row: Row, seq: list[int], span: int, logits: torch.Tensor) -> list[int]:
+        """The row's next tokens: each chosen from the logits after the one before (logits[i] after seq[i]), as
+        long as the choice is the drafted id; the first choice that is not ends them."""
+        tokens = []
+        for i in range(span):
+            tokens.append(next_token(row.req, logits[i:i + 1]))
+            if i + 1 == span or tokens[-1] != seq[i + 1]:
+                break
+        return tokens
+
+    def _drafts(self, rows: list[Row]) -> list[list[int]]:
+        """One denoising pass over a canvas of noise per row that starts with its token: the argmax, the token
+        first."""
+        if not rows:
+            return []
+        c, vocab = self.model.cfg.canvas_length, self.model.cfg.text.vocab_size
+        canvas = torch.cat([random_tokens((1, c), vocab, self.model.device, r.state.noise) for r in rows])
+        canvas[:, 0] = torch.tensor([r.token for r in rows], device=self.model.device)
+        ids = self.model.head(self.model.denoise(canvas, [r.cache for r in rows])).argmax(-1).tolist()
+        return [[r.token, *row_ids[1:]] for r, row_ids in zip(rows, ids)]
+
+    @staticmethod
+    def _span(req: Request, seq: list[int]) -> int:
+        """Positions to encode and check: those before the draft's first end-of-sequence id (the last of them
+        predicts it), and no more than the budget can take."""
+        end = next((i for i, t in enumerate(seq) if i and t in req.eos), len(seq))
         return max(1, min(end, req.budget))
