@@ -76,29 +76,44 @@ class SpeculativeEngine(AutoregressiveEngine):
         return row
 
     def _advance(self, rows: list[Row], events: list[Event]) -> list[list[int]]:
-        """One cycle for every row: the rows that draft (all, or those `Pace` lets) get a draft after their token
-        from one denoising pass; one encoder pass then caches each row's token and drafted ids and checks them.
-        Per row: the drafted ids that hold, then the next token."""
-        t0 = time.perf_counter()
-        drafting = [not self.paced or r.state.pace.drafts() for r in rows]
-        drafts = iter(self._drafts([r for r, d in zip(rows, drafting) if d]))
-        seqs = [next(drafts) if d else [r.token] for r, d in zip(rows, drafting)]
-        for r, d, seq in zip(rows, drafting, seqs):
-            if d and r.req.drafts:
+        """The rows `Pace` lets draft (all, unpaced) run a cycle (`_cycle`), the others a plain step, each group
+        in passes of its own; per row, its next tokens."""
+        drafting = {id(r) for r in rows if not self.paced or r.state.pace.drafts()}
+        out = {}
+        plain = [r for r in rows if id(r) not in drafting]
+        if plain:
+            t0, starts = time.perf_counter(), [r.cache.length for r in plain]
+            out |= {id(r): tokens for r, tokens in zip(plain, super()._advance(plain, events))}
+            seconds = time.perf_counter() - t0
+            for r, start in zip(plain, starts):
+                r.req.stats.cycles.append((start, 1, False))
+                r.state.pace.stepped(seconds)
+        if cycling := [r for r in rows if id(r) in drafting]:
+            t0 = time.perf_counter()
+            out |= {id(r): tokens for r, tokens in zip(cycling, self._cycle(cycling, events))}
+            seconds = time.perf_counter() - t0
+            for r in cycling:
+                r.state.pace.cycled(len(out[id(r)]), seconds)
+        return [out[id(r)] for r in rows]
+
+    def _cycle(self, rows: list[Row], events: list[Event]) -> list[list[int]]:
+        """One denoising pass drafts a canvas after each row's token; one encoder pass caches each row's token and
+        drafted ids and checks them. Per row: the drafted ids that hold, then the next token."""
+        drafts = self._drafts(rows)
+        for r, seq in zip(rows, drafts):
+            if r.req.drafts:
                 events.append(Event(r.req.id, "draft", r.req.visible(seq[1:])))
-        spans = [self._span(r.req, seq) for r, seq in zip(rows, seqs)]
-        width = max(spans)  # shorter rows are padded at the end: their padding only follows them, and leaves
-        ids = torch.tensor([seq[:n] + [seq[n - 1]] * (width - n) for seq, n in zip(seqs, spans)],
+        spans = [self._span(r.req, seq) for r, seq in zip(rows, drafts)]
+        width = max(spans)  # shorter rows are padded at the end: the padding only follows them, and leaves
+        ids = torch.tensor([seq[:n] + [seq[n - 1]] * (width - n) for seq, n in zip(drafts, spans)],
                            device=self.model.device)
         starts = [r.cache.length for r in rows]
         logits = self.model.head(self.model.encode(ids, [r.cache for r in rows]))  # [B, width, V]
-        out = [self._check(r, seq, n, logits[i]) for i, (r, seq, n) in enumerate(zip(rows, seqs, spans))]
-        seconds = time.perf_counter() - t0
-        for r, d, start, n, tokens in zip(rows, drafting, starts, spans, out):
+        out = [self._check(r, seq, n, logits[i]) for i, (r, seq, n) in enumerate(zip(rows, drafts, spans))]
+        for r, start, n, tokens in zip(rows, starts, spans, out):
             r.cache.truncate(start + len(tokens))  # `token` and the drafted ids kept; the rest leaves
-            r.req.stats.decoder_passes += 1 + d
-            r.req.stats.cycles.append((start, n, d))
-            r.state.pace.cycled(len(tokens), seconds) if d else r.state.pace.stepped(seconds)
+            r.req.stats.decoder_passes += 2
+            r.req.stats.cycles.append((start, n, True))
         return out
 
     @staticmethod
