@@ -20,6 +20,7 @@ import torch
 
 from dgemma.engine.autoregressive import AutoregressiveEngine, Row, next_token
 from dgemma.engine.request import Event, Request
+from dgemma.model import DiffusionGemma
 from dgemma.sampling import make_generator
 from dgemma.sampling.samplers import random_tokens
 
@@ -28,36 +29,29 @@ MAX_PLAIN = 64  # plain steps between two tries of a draft, at most
 
 
 class Pace:
-    """When to draft: while a cycle commits ids faster than a plain autoregressive step does (both timed), every
-    step drafts; a slower cycle sends the next 1, 2, 4, ... (at most MAX_PLAIN) ids through plain steps before the
-    next try. It sets the speed only: the ids are the same either way."""
+    """One row's choice of when to draft: while its cycles commit ids faster than a plain autoregressive step does
+    (`plain_rate`: the engine's, timed), every step drafts; a slower cycle sends its next 1, 2, 4, ... (at most
+    MAX_PLAIN) ids through plain steps before the next try. It sets the speed only: the ids are the same either
+    way."""
 
     def __init__(self):
-        self.plain_rate: float | None = None  # ids per second of plain steps (running mean; kept across requests)
         self.backoff = self.plain = 0  # plain steps: the current back-off, and how many are left before a try
 
-    def restart(self) -> None:
-        """A new request drafts at once."""
-        self.backoff = self.plain = 0
-
     def drafts(self) -> bool:
-        """Whether the next step drafts (else it is a plain step)."""
+        """Whether the row's next step drafts (else it is a plain step)."""
         if self.plain:
             self.plain -= 1
             return False
         return True
 
-    def cycled(self, ids: int, seconds: float) -> None:
-        if self.plain_rate is None:
-            self.plain = int(ids == 1)  # a cycle kept no draft: time a plain step before judging
-        elif ids / seconds < self.plain_rate:
+    def cycled(self, rate: float, plain_rate: float | None) -> None:
+        """A cycle committed `rate` ids per second."""
+        if plain_rate is None:
+            self.plain = 1  # time a plain step before judging
+        elif rate < plain_rate:
             self.backoff = self.plain = min(2 * self.backoff or 1, MAX_PLAIN)
         else:
             self.backoff = 0
-
-    def stepped(self, seconds: float) -> None:
-        rate = 1 / seconds
-        self.plain_rate = rate if self.plain_rate is None else (self.plain_rate + rate) / 2
 
 
 @dataclass
@@ -69,6 +63,10 @@ class Drafting:
 class SpeculativeEngine(AutoregressiveEngine):
     mode = "speculative"
     paced = True  # False: draft at every step (tests of the cycle itself)
+
+    def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], max_batch: int = 1):
+        super().__init__(model, eos_ids, max_batch)
+        self.plain_rate: float | None = None  # ids per second a row gets from plain steps (a running mean)
 
     def _start(self, req: Request, events: list[Event]) -> Row:
         row = super()._start(req, events)
@@ -84,16 +82,16 @@ class SpeculativeEngine(AutoregressiveEngine):
         if plain:
             t0, starts = time.perf_counter(), [r.cache.length for r in plain]
             out |= {id(r): tokens for r, tokens in zip(plain, super()._advance(plain, events))}
-            seconds = time.perf_counter() - t0
+            rate = 1 / (time.perf_counter() - t0)
+            self.plain_rate = rate if self.plain_rate is None else (self.plain_rate + rate) / 2
             for r, start in zip(plain, starts):
                 r.req.stats.cycles.append((start, 1, False))
-                r.state.pace.stepped(seconds)
         if cycling := [r for r in rows if id(r) in drafting]:
             t0 = time.perf_counter()
             out |= {id(r): tokens for r, tokens in zip(cycling, self._cycle(cycling, events))}
             seconds = time.perf_counter() - t0
             for r in cycling:
-                r.state.pace.cycled(len(out[id(r)]), seconds)
+                r.state.pace.cycled(len(out[id(r)]) / seconds, self.plain_rate)
         return [out[id(r)] for r in rows]
 
     def _cycle(self, rows: list[Row], events: list[Event]) -> list[list[int]]:
