@@ -8,8 +8,8 @@ token. Each token is chosen by `autoregressive.next_token` from the same logits 
 it (up to float rounding: several positions per pass), with one draw per token from the request's generator,
 so the ids are `AutoregressiveEngine`'s, greedy or sampled, with a grammar or not; what the draft gets right is
 how many of them one cycle commits. Rejected slots leave the cache (`KVCache.truncate`). Where drafts seldom hold
-(a weak or mismatched decoder), `Pace` falls back to plain autoregressive steps and tries a draft again now and
-then. Rows run in one batch, each with its own draft noise and pace."""
+(a weak or mismatched decoder), the engine falls back to plain autoregressive steps and tries a draft again now
+and then. Rows run in one batch, each with its own draft noise."""
 
 from __future__ import annotations
 
@@ -28,57 +28,36 @@ from dgemma.sampling.samplers import random_tokens
 MAX_PLAIN = 64  # plain steps between two tries of a draft, at most
 
 
-class Pace:
-    """One row's choice of when to draft: while its cycles commit ids faster than a plain autoregressive step does
-    (`plain_rate`: the engine's, timed), every step drafts; a slower cycle sends its next 1, 2, 4, ... (at most
-    MAX_PLAIN) ids through plain steps before the next try. It sets the speed only: the ids are the same either
-    way."""
-
-    def __init__(self):
-        self.backoff = self.plain = 0  # plain steps: the current back-off, and how many are left before a try
-
-    def drafts(self) -> bool:
-        """Whether the row's next step drafts (else it is a plain step)."""
-        if self.plain:
-            self.plain -= 1
-            return False
-        return True
-
-    def cycled(self, rate: float, plain_rate: float | None) -> None:
-        """A cycle committed `rate` ids per second."""
-        if plain_rate is None:
-            self.plain = 1  # time a plain step before judging
-        elif rate < plain_rate:
-            self.backoff = self.plain = min(2 * self.backoff or 1, MAX_PLAIN)
-        else:
-            self.backoff = 0
-
-
 @dataclass
 class Drafting:
     noise: torch.Generator  # the drafts' own: the ids never depend on it
-    pace: Pace
+    wait: int = 0  # plain steps left before the row tries a draft again
 
 
 class SpeculativeEngine(AutoregressiveEngine):
+    """Pacing (the speed only; the ids are the same either way): while cycles commit ids faster than a plain
+    autoregressive step (both timed), every step drafts; a slower cycle doubles the engine's back-off (1, 2, 4, ...
+    at most MAX_PLAIN), and its row takes that many plain steps before it tries again. Back-off and plain-step rate
+    are the engine's: how often drafts hold is the model's, and a new request tries once and then waits as long."""
+
     mode = "speculative"
     paced = True  # False: draft at every step (tests of the cycle itself)
 
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], max_batch: int = 1):
         super().__init__(model, eos_ids, max_batch)
         self.plain_rate: float | None = None  # ids per second a row gets from plain steps (a running mean)
+        self.backoff = 0
 
     def _start(self, req: Request, events: list[Event]) -> Row:
         row = super()._start(req, events)
-        row.state = Drafting(make_generator(req.params.seed, self.model.device), Pace())
+        row.state = Drafting(make_generator(req.params.seed, self.model.device))
         return row
 
     def _advance(self, rows: list[Row], events: list[Event]) -> list[list[int]]:
-        """The rows `Pace` lets draft (all, unpaced) run a cycle (`_cycle`), the others a plain step, each group
-        in passes of its own; per row, its next tokens."""
-        drafting = {id(r) for r in rows if not self.paced or r.state.pace.drafts()}
+        """The rows that may draft (all, unpaced) run a cycle (`_cycle`), the others a plain step, each group in
+        passes of its own; per row, its next tokens."""
+        plain = [r for r in rows if self.paced and r.state.wait]
         out = {}
-        plain = [r for r in rows if id(r) not in drafting]
         if plain:
             t0, starts = time.perf_counter(), [r.cache.length for r in plain]
             out |= {id(r): tokens for r, tokens in zip(plain, super()._advance(plain, events))}
@@ -86,13 +65,23 @@ class SpeculativeEngine(AutoregressiveEngine):
             self.plain_rate = rate if self.plain_rate is None else (self.plain_rate + rate) / 2
             for r, start in zip(plain, starts):
                 r.req.stats.cycles.append((start, 1, False))
-        if cycling := [r for r in rows if id(r) in drafting]:
+                r.state.wait -= 1
+        if cycling := [r for r in rows if id(r) not in out]:
             t0 = time.perf_counter()
             out |= {id(r): tokens for r, tokens in zip(cycling, self._cycle(cycling, events))}
             seconds = time.perf_counter() - t0
             for r in cycling:
-                r.state.pace.cycled(len(out[id(r)]) / seconds, self.plain_rate)
+                self._pace(r, len(out[id(r)]) / seconds)
         return [out[id(r)] for r in rows]
+
+    def _pace(self, row: Row, rate: float) -> None:
+        """After a cycle that committed `rate` ids per second for this row."""
+        if self.plain_rate is None:
+            row.state.wait = 1  # time a plain step before judging
+        elif rate < self.plain_rate:
+            self.backoff = row.state.wait = min(2 * self.backoff or 1, MAX_PLAIN)
+        else:
+            self.backoff = 0
 
     def _cycle(self, rows: list[Row], events: list[Event]) -> list[list[int]]:
         """One denoising pass drafts a canvas after each row's token; one encoder pass caches each row's token and
