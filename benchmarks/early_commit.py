@@ -1,12 +1,13 @@
 """Time to the first committed token through the server's stream, with early commit against the defaults: starts
 `dgemma serve` on a checkpoint (default: the bundled demo model), streams the same chats (same seeds) under each
-variant, round-robin per chat (each variant first in turn) so a shared machine's load falls on all alike, and reports per variant the median
-time from sending the request to the first content chunk, to the role chunk (sent once the request's first step
-ran: prefill and the server's own overhead) and from that chunk to the first content, the whole answer's time,
-tokens/s, and how many answers equal the defaults' text (the option changes outputs; the harness,
-benchmarks/quality/evaluate.py, gives its accuracy). With --harness-prompts the chats are a harness checkpoint's
-held-out task prompts (benchmarks/quality/tasks.py), and each variant's exact-match accuracy is reported too.
---modes adds the other decoding modes (autoregressive, speculative) as variants, each served by a server of its own.
+variant, round-robin per chat (each variant first in turn) so a shared machine's load falls on all alike, and
+reports per variant the median time from sending the request to the first content chunk, to the role chunk (sent
+once the request's first step ran: prefill and the server's own overhead) and from that chunk to the first
+content, the whole answer's time, tokens/s, and how many answers equal the defaults' text (the option changes
+outputs; the harness, benchmarks/quality/evaluate.py, gives its accuracy). With --harness-prompts the chats are a
+harness checkpoint's held-out task prompts (benchmarks/quality/tasks.py), and each variant's exact-match accuracy is
+reported too. --modes adds the other decoding modes (autoregressive, speculative) as variants, each served by a
+server of its own.
 
     python benchmarks/early_commit.py [--model DIR] [--chats 8] [--max-tokens 64] [--early-commit 1,2,3] \
         [--variant 'NAME={"early_commit": 1, "early_commit_cache": true}'] [--harness-prompts] [--modes speculative]
@@ -37,8 +38,8 @@ from dgemma.api import DEMO_MODEL  # noqa: E402
 from dgemma.bench.flops import cpu_name, load_average  # noqa: E402
 from dgemma.options import MODES  # noqa: E402
 
-# Before a request to another server: the OpenMP threads of the one that just answered spin this long before they
-# sleep, taking the cores from the next (measured: autoregressive TTFT 59 ms after a diffusion server, 20 ms alone)
+# Before a request to another server: the one that just answered keeps the cores busy for a moment (measured:
+# autoregressive TTFT 59 ms right after a diffusion server's answer, 20 ms alone or after this pause)
 SPIN_SECONDS = 0.3
 QUESTIONS = ["The capital of France is", "Write a short poem about the sea.", "List three prime numbers.",
              "What is two plus two?", "Describe a cat in one sentence.", "Say hello in French.",

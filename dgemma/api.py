@@ -258,10 +258,11 @@ class Model:
     def generate(self, prompt: Prompt | list[Prompt], mode: str = "diffusion", sampling: str = "fast",
                  **options: Any) -> Result | list[Result]:
         """Generate for one prompt (returns a Result) or a list of prompts decoded as one batch. `mode`:
-        diffusion, autoregressive or speculative (autoregressive output, drafted by the decoder); `sampling` (diffusion): fast, or reference (transformers draw for draw);
-        `options`: SamplingParams fields, and for chat messages OpenAI's `tools`, `tool_choice` ("none", "auto" (the
-        default with tools), "required", {"type": "function", "function": {"name": ...}}) and `parallel_tool_calls`
-        (a reply of calls has Result.tool_calls; the chat template picks the call syntax)."""
+        diffusion, autoregressive or speculative (autoregressive output, drafted by the decoder); `sampling`
+        (diffusion): fast, or reference (transformers draw for draw); `options`: SamplingParams fields, and for chat
+        messages OpenAI's `tools`, `tool_choice` ("none", "auto" (the default with tools), "required",
+        {"type": "function", "function": {"name": ...}}) and `parallel_tool_calls` (a reply of calls has
+        Result.tool_calls; the chat template picks the call syntax)."""
         batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
         prompts = prompt if batch else [prompt]
         results = {i: ev.result for i, ev in self._run(prompts, mode, sampling, options, False) if ev.kind == "done"}
@@ -277,8 +278,8 @@ class Model:
     def runner(self, mode: str = "diffusion", sampling: str = "fast", max_batch: int = 16,
                prefix_cache: PrefixCache | None = None):
         """The engine for a decoding mode: `Engine` (continuous batching, reusing `prefix_cache` if given),
-        `ReferenceRunner`, `AutoregressiveEngine` or `SpeculativeEngine`; all take `add_request` and yield the same events from
-        `stream()`."""
+        `ReferenceRunner`, `AutoregressiveEngine` or `SpeculativeEngine`; all take `add_request` and yield the same
+        events from `stream()`."""
         eos = self.defaults.eos_token_ids or ()
         if mode not in MODES or sampling not in SAMPLINGS:
             bad, name, names = (("mode", mode, MODES) if mode not in MODES else ("sampling", sampling, SAMPLINGS))

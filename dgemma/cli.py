@@ -120,7 +120,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--sampling", choices=SAMPLINGS, default=SAMPLINGS[0],
                    help="fast: continuous batching, per-request RNG (default); reference: transformers draw for draw")
     add_mode_option(p)
-    p.add_argument("--ar-temperature", type=float, help="autoregressive and speculative modes: sampling temperature (0 = greedy)")
+    p.add_argument("--ar-temperature", type=float,
+                   help="autoregressive and speculative modes: sampling temperature (0 = greedy)")
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this JSON schema file")
     shape.add_argument("--regex", help="the output matches this regular expression (whole text)")

@@ -157,3 +157,22 @@ def test_rows_in_one_batch_get_the_ids_they_get_alone(demo, mode):
         running.append(engine.num_running)
     assert [r.output for r in reqs] == alone
     assert max(running) == 4 and len(running) < sum(len(a) for a in alone)
+
+
+def test_ids_past_the_budget_end_a_request_as_one_token_at_a_time_would():
+    """A cycle can bring an end-of-sequence id just past the budget: the request ends with "length", as the
+    autoregressive engine's one-token steps end it (the budget runs out before the EOS is seen); an EOS inside
+    the budget ends it with "stop"."""
+    from dgemma.engine.autoregressive import emit
+    from dgemma.engine.request import Request
+    from dgemma.sampling import SamplingParams
+
+    def run(tokens, budget):
+        req, events = Request("r", [5], SamplingParams(max_new_tokens=budget), eos=(1,)), []
+        emit(req, tokens, events)
+        return req.output, req.finish_reason
+
+    assert run([7, 8, 1], 2) == ([7, 8], "length")
+    assert run([7, 1, 9], 2) == ([7], "stop")
+    assert run([7, 8, 9], 2) == ([7, 8], "length")
+    assert run([7, 8], 3) == ([7, 8], None)

@@ -33,14 +33,14 @@ def next_token(req: Request, logits: torch.Tensor) -> int:
 
 
 def emit(req: Request, tokens: list[int], events: list[Event]) -> None:
-    """Commit `tokens` in order until an end-of-sequence id ("stop") or the token budget ("length") ends it."""
+    """Commit `tokens` in order until an end-of-sequence id ("stop") or the token budget ("length") ends it, as
+    `Request.commit` ends a canvas."""
     req.stats.t_first_commit = req.stats.t_first_commit or time.perf_counter()
-    cut = next((i for i, t in enumerate(tokens) if t in req.eos), len(tokens))
-    new = tokens[:min(cut, req.budget)]
+    new, hit_eos = req.take(tokens)
     req.output.extend(new)
     if new:
         events.append(Event(req.id, "commit", new))
-    if cut < len(tokens) and len(new) == cut:
+    if hit_eos:
         req.finish("stop", events)
     elif req.budget <= 0:
         req.finish("length", events)

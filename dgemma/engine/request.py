@@ -90,6 +90,11 @@ class Request:
         cut = next((i for i, t in enumerate(ids) if t in self.eos), len(ids))
         return ids[:min(cut, self.budget)]
 
+    def take(self, ids: list[int]) -> tuple[list[int], bool]:
+        """What committing `ids` appends (`visible`), and whether an end-of-sequence id within the budget ends the
+        request ("stop"; one past the budget, the budget ends it first: "length")."""
+        return self.visible(ids), any(t in self.eos for t in ids[:self.budget])
+
     def commit(self, canvas: list[int], steps: int, events: list[Event]) -> None:
         """Append a finished canvas's visible tokens (its event carries those not `send`-ed early); finish on EOS
         ("stop") or an exhausted budget ("length")."""
@@ -102,8 +107,7 @@ class Request:
             if complete:
                 self.finish("stop", events)
             return
-        hit_eos = any(t in self.eos for t in canvas[:self.budget])
-        new = self.visible(canvas)
+        new, hit_eos = self.take(canvas)
         self.output.extend(new)
         self.stats.t_first_commit = self.stats.t_first_commit or time.perf_counter()
         logprobs, self.canvas_logprobs = self.canvas_logprobs, None

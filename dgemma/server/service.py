@@ -245,8 +245,8 @@ def _overrides(body: OpenAIRequest) -> dict[str, Any]:
 
 
 def _diffusion_only(body: OpenAIRequest) -> str | None:
-    """The first field set that autoregressive (and speculative) decoding cannot honour: a nucleus cut (top_p < 1; neither mode has
-    one, but diffusion documents it as accepted), the denoising options, drafts."""
+    """The first field set that autoregressive (and speculative) decoding cannot honour: a nucleus cut (top_p < 1;
+    no mode has one, but diffusion documents it as accepted), the denoising options, drafts."""
     if body.top_p is not None and body.top_p < 1:
         return "top_p"
     if body.dgemma_sampling is not None and body.dgemma_sampling.overrides():
