@@ -36,6 +36,8 @@ OPT_IN = (
           "steps, before the canvas ends (the text sent never changes)"),
     OptIn("early_commit_cache", bool, "", "with early_commit: the frozen prefix moves into the KV cache (encoded as "
           "the canvas's commit would encode it), so the rest of the canvas is smaller"),
+    OptIn("early_first_token", bool, "", "commit the answer's first token before any denoising step: the encoder's "
+          "next-token choice after the prompt (the prefill computes it), held as the first canvas's first position"),
     OptIn("early_stop", float, "H", "end a canvas once its mean token entropy is below H, stable or not"),
     OptIn("target_canvas_ms", float, "MS", "each canvas's step budget: the steps that fit MS milliseconds at the "
           "measured step time (at most max_denoising_steps)"),

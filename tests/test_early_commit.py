@@ -123,18 +123,21 @@ def test_cli_flags(capsys):
 
 def test_server_streams_content_before_the_first_canvas_ends():
     """A streamed chat with early_commit: content chunks come while the first canvas still has draft steps to go;
-    the same request without it sends its first content only when that canvas ends."""
+    the same request without it sends its first content only when that canvas ends; with early_first_token the
+    first content comes before the first denoising step's draft."""
     openai = pytest.importorskip("openai")
     s = start_server(DEMO_MODEL)
     try:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         kw = dict(model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=32, seed=1, stream=True)
-        for sampling, early in (({"early_commit": 2}, True), ({}, False)):
+        for sampling, early in (({"early_commit": 2}, True), ({}, False), ({"early_first_token": True}, True)):
             chunks = list(client.chat.completions.create(**kw, extra_body={"dgemma_drafts": True,
                                                                              "dgemma_sampling": sampling}))
             kinds = [c.choices[0].model_extra["dgemma_draft"]["canvas"] if "dgemma_draft" in c.choices[0].model_extra
                      else "text" if c.choices[0].delta.content else None for c in chunks if c.choices]
             assert (0 in kinds[kinds.index("text"):]) is early  # a draft of the first canvas after the first text
+            if "early_first_token" in sampling:  # the first text comes before the first step's draft
+                assert kinds.index("text") < kinds.index(0)
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(**kw | {"stream": False},
                                            extra_body={"dgemma_sampling": {"early_commit": 0}})

@@ -54,6 +54,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "early_commit_2": {"early_commit": 2},
     "early_commit_3": {"early_commit": 3},
     "early_commit_1_cache": {"early_commit": 1, "early_commit_cache": True},
+    "early_first_token": {"early_first_token": True},
+    "early_first_token_commit_2": {"early_first_token": True, "early_commit": 2},
     "early_stop_0.05": {"early_stop": 0.05},
     "early_stop_0.2": {"early_stop": 0.2},
     "target_canvas_ms_50": {"target_canvas_ms": 50.0},

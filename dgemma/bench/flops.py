@@ -66,12 +66,13 @@ def saved_flops(cfg: ModelConfig, stats: dict[str, Any], soft_top_k: int | None,
     (`settled_kv_reuse`, and `early_commit_cache`'s moved positions: a canvas position's share of a decoder pass
     after `context` cached tokens, and its self-conditioning MLP), less the encoder pass over the ids of a last
     canvas that `early_commit_cache` moved into the cache (`encoded_early`: the defaults never encode a last
-    canvas)."""
+    canvas) and the head row of a prompt's last position (`early_first_token`)."""
     t, c = cfg.text, cfg.canvas_length
     row = 2 * t.hidden_size * t.vocab_size
     sparse = 2 * t.hidden_size * max(t.vocab_size - (soft_top_k or t.vocab_size), 0)
     body = body_flops(t, c, context, causal=False) / c + 6 * t.hidden_size * t.intermediate_size
-    return row * (stats.get("skipped_head_rows", 0) + stats.get("skipped_soft_rows", 0)) \
+    return row * (stats.get("skipped_head_rows", 0) + stats.get("skipped_soft_rows", 0)
+                  - stats.get("first_token_rows", 0)) \
         + sparse * stats.get("sparse_soft_rows", 0) + body * stats.get("skipped_body_rows", 0) \
         - body_flops(t, 1, context, causal=True) * stats.get("encoded_early", 0)
 

@@ -17,10 +17,11 @@ from dgemma.sampling import (SamplingParams, StableConfidentStopper, StepOutput,
 
 
 def prefill(model: DiffusionGemma, rows: list[Request], pad_id: int, room: int,
-            own_positions: bool) -> tuple[KVCache, list[int]]:
+            own_positions: bool) -> tuple[KVCache, list[int], Tensor]:
     """The encoder over the rows' prompts, left-padded, in chunks (`DiffusionGemma.prefill`); returns the cache
-    (with `room` free slots) and each row's left pad. With `own_positions` each row's positions start at 0
-    after its padding; otherwise the batch shares positions, as transformers does."""
+    (with `room` free slots), each row's left pad and each prompt's last normed hidden state [B, H]. With
+    `own_positions` each row's positions start at 0 after its padding; otherwise the batch shares positions, as
+    transformers does."""
     device, n = model.device, max(len(r.prompt) for r in rows)
     host_pads = [n - len(r.prompt) for r in rows]
     pads = torch.tensor(host_pads, device=device)
@@ -31,8 +32,8 @@ def prefill(model: DiffusionGemma, rows: list[Request], pad_id: int, room: int,
     for r in rows:
         r.stats.t_start = time.perf_counter()
     padded = any(len(r.prompt) < n for r in rows)  # known on the host: no device read to find out
-    model.prefill(ids, cache, valid=slots >= pads[:, None] if padded else None, positions=positions)
-    return cache, host_pads
+    hidden = model.prefill(ids, cache, valid=slots >= pads[:, None] if padded else None, positions=positions)
+    return cache, host_pads, hidden
 
 
 def _row_table(values: list[list[float]] | list[list[int]], device, dtype, fill) -> Tensor:

@@ -49,7 +49,8 @@ class Engine(Runner):
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], pad_id: int = 0, max_batch: int = 16,
                  prefix_cache: PrefixCache | None = None, features: tuple[Feature, ...] = FEATURES,
                  row_clocks: bool = True):
-        self.scheduler = Scheduler(model, pad_id, max_batch, prefix_cache, PREFILL_CHUNK if row_clocks else None)
+        self.scheduler = Scheduler(model, pad_id, max_batch, prefix_cache, PREFILL_CHUNK if row_clocks else None,
+                                   self._prefilled)
         super().__init__(model, eos_ids, features)
         self.pad_id, self.max_batch, self.prefix_cache, self.row_clocks = pad_id, max_batch, prefix_cache, row_clocks
         self.canvas_length = model.cfg.canvas_length
@@ -84,7 +85,9 @@ class Engine(Runner):
     def step(self) -> list[Event]:
         events: list[Event] = []
         if self.row_clocks or self.batch is None or self.batch.canvas is None:
-            self._turnover()
+            self._turnover(events)
+        if events:  # a starting canvas committed ids already (early_first_token): they leave before the pass
+            return events
         if self.batch is not None:
             t, passes = time.perf_counter(), self.stats.passes
             self._denoise_step(events)
@@ -93,7 +96,7 @@ class Engine(Runner):
         return events
 
     # ---- between steps ----------------------------------------------------------------------------------
-    def _turnover(self) -> None:
+    def _turnover(self, events: list[Event]) -> None:
         """Rows that committed a canvas go on (finished ones leave; the others' canvases are encoded and their
         next ones start), and waiting requests join with a fresh canvas."""
         b = self.batch
@@ -102,12 +105,12 @@ class Engine(Runner):
         if (b := self.batch) is None:
             return
         if b.canvas is None:  # a new batch, or the batch-wide boundary: every row starts
-            b.canvas = self._fresh(b.rows)
+            b.canvas = self._fresh(b.rows, events)
             return
         if going_on:
-            b.canvas.put(going_on, self._fresh([b.rows[i] for i in going_on]))
+            b.canvas.put(going_on, self._fresh([b.rows[i] for i in going_on], events))
         if joined:
-            b.canvas.extend(self._fresh(joined))
+            b.canvas.extend(self._fresh(joined, events))
 
     def _encode_pending(self, b: Batch) -> list[int]:
         """Encode the committed canvases of the rows still in the batch (what early commit did not move into their
@@ -120,13 +123,17 @@ class Engine(Runner):
             self.model.encode(torch.stack([ids for _, ids in group]), [b.caches[i] for i, _ in group])
         return [i for i, _ in going]
 
-    def _fresh(self, rows: list[Request]) -> Canvas:
+    def _fresh(self, rows: list[Request], events: list[Event]) -> Canvas:
         """A new canvas for these rows: noise from each row's generator, then the features' start."""
         tokens = random_tokens((len(rows), self.canvas_length), self.model.cfg.text.vocab_size, self.model.device,
                                [r.generator for r in rows])
         for f in self.features:
-            f.start(rows, tokens)
+            f.start(rows, tokens, events)
         return Canvas.start(rows, tokens)
+
+    def _prefilled(self, rows: list[Request], hidden: torch.Tensor) -> None:
+        for f in self.features:
+            f.prefilled(rows, hidden, self.model.lm_head)
 
     # ---- one denoising step -----------------------------------------------------------------------------
     def _denoise_step(self, events: list[Event]) -> None:

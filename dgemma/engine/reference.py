@@ -45,7 +45,7 @@ class ReferenceRunner(Runner):
         params, c = self.rows[0].params, self.model.cfg.canvas_length
         if params.seed is not None:
             torch.manual_seed(params.seed)
-        cache, _ = prefill(self.model, self.rows, self.pad_id, params.max_new_tokens + 2 * c, own_positions=False)
+        cache, _, _ = prefill(self.model, self.rows, self.pad_id, params.max_new_tokens + 2 * c, own_positions=False)
         while True:
             padded = yield from self._canvas(cache)
             if all(r.finished for r in self.rows):

@@ -27,6 +27,7 @@ class Stats:
     sparse_soft_rows: int = 0
     skipped_body_rows: int = 0  # canvas positions left out of the body (settled_kv_reuse, early_commit_cache)
     encoded_early: int = 0  # ids of a last canvas encoded into the cache (early_commit_cache): extra work
+    first_token_rows: int = 0  # LM head rows of the prompt's last position (early_first_token): extra work
     # speculative decoding, one entry a step: (slots cached before it, ids it encoded, whether a draft was checked)
     cycles: list[tuple[int, int, bool]] = field(default_factory=list)
     t_arrival: float = field(default_factory=time.perf_counter)
@@ -45,6 +46,7 @@ class Stats:
             "sparse_soft_rows": self.sparse_soft_rows,
             "skipped_body_rows": self.skipped_body_rows,
             "encoded_early": self.encoded_early,
+            "first_token_rows": self.first_token_rows,
             "cycles": [list(v) for v in self.cycles],
             "tokens_per_forward": (n_tokens + self.eos_tokens) / self.decoder_passes if self.decoder_passes else 0.0,
             "seconds": seconds,
@@ -70,6 +72,7 @@ class Request:
     canvas_logprobs: list[Entry] | None = None  # this canvas's, when params.logprobs is set (sampling/logprobs.py)
     sent: int = 0  # ids of this canvas committed early (params.early_commit), ahead of its commit
     moved: int = 0  # of those, ids already encoded into the cache (params.early_commit_cache)
+    first: tuple[int, list[Entry] | None] | None = None  # the prefill's first token, not yet committed (FirstToken)
     early: Any = None  # early commit's history of this canvas (engine/features/early_commit.py)
     latency: Any = None  # a latency target's state: the request's own step cap (engine/features/latency.py)
     settled: Any = None  # per-position settled runs, when params.skip_settled is set (engine/features/settled.py)

@@ -1,12 +1,14 @@
 """Which rows run (cf. nano-vllm's Scheduler; the engine runs the model): the waiting queue, admission up to
 `max_batch` rows, each joining row's own cache (a copy of the longest prefix the `PrefixCache` holds plus the rest
 of its prompt, or a prefill grouped by prompt length; with `chunk`, a prompt longer than that is encoded one chunk
-per engine step, so that it never stalls the running rows for longer), and pruning of finished rows, whose prompts
+per engine step, so that it never stalls the running rows for longer; `prefilled` hears of each prompt's last
+hidden state), and pruning of finished rows, whose prompts
 and answers go to the prefix cache. A row's cache is its own, so joins and leaves never copy another row's."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,9 +43,9 @@ def prefill_groups(rows: list[Request], waste: float = 0.25) -> list[list[Reques
 
 class Scheduler:
     def __init__(self, model: DiffusionGemma, pad_id: int, max_batch: int, prefix_cache: PrefixCache | None,
-                 chunk: int | None = None):
+                 chunk: int | None = None, prefilled: Callable[[list[Request], torch.Tensor], None] | None = None):
         self.model, self.pad_id, self.max_batch, self.prefix_cache = model, pad_id, max_batch, prefix_cache
-        self.chunk = chunk
+        self.chunk, self.prefilled = chunk, prefilled or (lambda rows, hidden: None)
         self.waiting: list[Request] = []
         self.prefilling: list[tuple[Request, KVCache]] = []  # long prompts, encoded a chunk per step
         self.batch: Batch | None = None
@@ -57,7 +59,9 @@ class Scheduler:
         long = {r.id for r in fresh if self.chunk is not None and len(r.prompt) > self.chunk}
         self.prefilling += [(r, self._start_prefill(r)) for r in fresh if r.id in long]
         for group in prefill_groups([r for r in fresh if r.id not in long]):
-            cache, pads = prefill(self.model, group, self.pad_id, 2 * self.model.cfg.canvas_length, own_positions=True)
+            cache, pads, hidden = prefill(self.model, group, self.pad_id, 2 * self.model.cfg.canvas_length,
+                                          own_positions=True)
+            self.prefilled(group, hidden)
             caches.update((r.id, cache.extract(i, pad, cache.length)) for i, (r, pad) in enumerate(zip(group, pads)))
         joined = [r for r in rows if r.id not in long] + self._prefill_chunks(caches)
         if self.prefix_cache is not None:
@@ -82,8 +86,9 @@ class Scheduler:
             if r.finished:
                 continue
             part = r.prompt[cache.length:cache.length + self.chunk]
-            self.model.prefill(torch.tensor([part], device=self.model.device), cache, chunk=None)
+            hidden = self.model.prefill(torch.tensor([part], device=self.model.device), cache, chunk=None)
             if cache.length == len(r.prompt):
+                self.prefilled([r], hidden)
                 caches[r.id] = cache.extract(0, 0, cache.length)
                 done.append(r)
             else:
@@ -108,11 +113,14 @@ class Scheduler:
         return True
 
     def _from_prefix(self, r: Request) -> KVCache | None:
-        cache, n = self.prefix_cache.lookup(r.prompt, r.params.cache_salt)
+        """The request's cache from the longest cached prefix of its prompt, the rest encoded; at least the last
+        prompt token is encoded for a request that takes its first token from the prefill (early_first_token)."""
+        prompt = r.prompt[:-1] if r.params.early_first_token else r.prompt
+        cache, n = self.prefix_cache.lookup(prompt, r.params.cache_salt)
         if cache is not None:
             r.stats.t_start, r.stats.cached_tokens = time.perf_counter(), n
             if n < len(r.prompt):
-                self.model.prefill(torch.tensor([r.prompt[n:]], device=self.model.device), cache)
+                self.prefilled([r], self.model.prefill(torch.tensor([r.prompt[n:]], device=self.model.device), cache))
         return cache
 
     def _remember(self, finished: list[tuple[Request, KVCache]]) -> None:

@@ -72,6 +72,7 @@ class SamplingParams:
     cache_salt: str | None = None  # prefix-cache partition: only prefixes cached under the same salt are reused
     early_commit: int | None = None  # commit a canvas's left prefix once stable this many steps (sampling/early.py)
     early_commit_cache: bool | None = None  # with early_commit: the frozen prefix moves into the KV cache
+    early_first_token: bool | None = None  # commit the prefill's next-token choice at once (features/first_token.py)
     early_stop: float | None = None  # end a canvas once its mean token entropy is below this, stable or not
     target_canvas_ms: float | None = None  # each canvas's step budget from the engine's measured step time
     # opt-in savings that change outputs (docs/performance.md): a sparse self-conditioning soft embedding over each
@@ -133,7 +134,8 @@ class SamplingParams:
     def _check_speed(self) -> None:
         """early_commit: steps a position must stay unchanged; it commits text before the canvas ends, which a
         grammar's or a layout's whole-canvas rules cannot follow; early_commit_cache: its frozen prefix moves into the
-        KV cache (a pass narrower than the canvas, which settled_kv_reuse's kept positions do not index). early_stop:
+        KV cache (a pass narrower than the canvas, which settled_kv_reuse's kept positions do not index);
+        early_first_token: the same text before the canvas ends, and the same exclusions. early_stop:
         an entropy threshold; target_canvas_ms: a canvas's wall time in milliseconds."""
         if self.early_stop is not None:
             _positive("early_stop", self.early_stop)
@@ -144,6 +146,12 @@ class SamplingParams:
                 _fail(f"early_commit_cache={self.early_commit_cache!r} must be true or false", "early_commit_cache")
             if self.early_commit_cache and (self.early_commit is None or self.settled_kv_reuse):
                 _fail("early_commit_cache needs early_commit and no settled_kv_reuse", "early_commit_cache")
+        if self.early_first_token is not None:
+            if not isinstance(self.early_first_token, bool):
+                _fail(f"early_first_token={self.early_first_token!r} must be true or false", "early_first_token")
+            if self.early_first_token and (self.grammar is not None or self.seeded is not None):
+                _fail("early_first_token cannot be combined with a grammar or a suffix, template or edit",
+                      "early_first_token")
         if self.early_commit is None:
             return
         _int_in("early_commit", self.early_commit, 1, MAX_DENOISING_STEPS)

@@ -5,13 +5,14 @@ from dgemma.engine.features.base import Feature, Step
 from dgemma.engine.features.drafts import Drafts
 from dgemma.engine.features.early_commit import EarlyCommit
 from dgemma.engine.features.early_stop import EarlyStop
+from dgemma.engine.features.first_token import FirstToken
 from dgemma.engine.features.grammar import Grammar
 from dgemma.engine.features.infill import Infill
 from dgemma.engine.features.latency import LatencyTarget
 from dgemma.engine.features.logprobs import Logprobs
 from dgemma.engine.features.settled import Settled
 
-FEATURES: tuple[Feature, ...] = (LatencyTarget(), EarlyStop(), Infill(), Grammar(), EarlyCommit(), Logprobs(),
-                                  Drafts(), Settled())
+FEATURES: tuple[Feature, ...] = (LatencyTarget(), EarlyStop(), Infill(), Grammar(), EarlyCommit(), FirstToken(),
+                                  Logprobs(), Drafts(), Settled())
 
 __all__ = ["FEATURES", "Feature", "Step"]

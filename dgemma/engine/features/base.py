@@ -1,8 +1,9 @@
 """The row-feature protocol: what a request asks beyond plain denoising (a grammar, a seeded canvas, logprobs,
-drafts) is one `Feature`, called by the engine at three points of each row's canvas: when it starts, after each
-denoising step (`step` rewrites the step's output before the canvas takes it, `settle` acts on the canvas after),
-and, through `settle`, when it ends (`Step.ending`). Hooks act only on the rows that carry the feature; a new
-feature is one module here and one entry in `FEATURES` (features/__init__.py)."""
+drafts) is one `Feature`, called by the engine when a row's prompt is prefilled and at three points of each of its
+canvases: when it starts (`start` may already commit), after each denoising step (`step` rewrites the step's output
+before the canvas takes it, `settle` acts on the canvas after), and, through `settle`, when it ends (`Step.ending`).
+Hooks act only on the rows that carry the feature; a new feature is one module here and one entry in `FEATURES`
+(features/__init__.py)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,10 @@ class Feature:
     def attach(self, req: Request, runner) -> None:
         pass
 
-    def start(self, rows: list[Request], tokens: Tensor) -> None:
+    def prefilled(self, rows: list[Request], hidden: Tensor, head: Head) -> None:
+        """These rows' prompts are in their caches: hidden [B, H] is each prompt's last normed hidden state."""
+
+    def start(self, rows: list[Request], tokens: Tensor, events: list[Event]) -> None:
         """A canvas starts for these rows: tokens [B, C] holds their fresh noise (edit it in place)."""
 
     def step(self, s: Step) -> None:

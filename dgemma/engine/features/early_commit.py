@@ -26,7 +26,7 @@ class History:
 
 
 class EarlyCommit(Feature):
-    def start(self, rows: list[Request], tokens: Tensor) -> None:
+    def start(self, rows: list[Request], tokens: Tensor, events: list[Event]) -> None:
         for r in rows:
             r.sent, r.moved, r.early = 0, 0, None
 

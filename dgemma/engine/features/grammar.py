@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from dgemma.engine.features.base import Feature, Step
-from dgemma.engine.request import Request
+from dgemma.engine.request import Event, Request
 from dgemma.sampling.constrained import complete_rows, constrain_step, start_canvas
 
 
@@ -15,7 +15,7 @@ class Grammar(Feature):
         if req.params.grammar is not None:  # what it needs: SamplingParams.check_decoding
             req.grammar = runner.grammar_vocab().matcher(req.params.grammar, req.eos)
 
-    def start(self, rows: list[Request], tokens: Tensor) -> None:
+    def start(self, rows: list[Request], tokens: Tensor, events: list[Event]) -> None:
         start_canvas([r.grammar for r in rows], [r.budget for r in rows], tokens.shape[1])
 
     def step(self, s: Step) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from dgemma.engine.features.base import Feature, Step
-from dgemma.engine.request import Request
+from dgemma.engine.request import Event, Request
 from dgemma.sampling.seeded import SeedState, seed_canvas, seed_step
 
 
@@ -15,7 +15,7 @@ class Infill(Feature):
         if req.params.seeded is not None:  # what it needs: SamplingParams.check_decoding
             req.seeded = SeedState(req.params.seeded, req.eos)
 
-    def start(self, rows: list[Request], tokens: Tensor) -> None:
+    def start(self, rows: list[Request], tokens: Tensor, events: list[Event]) -> None:
         seed_canvas([r.seeded for r in rows], tokens)
 
     def step(self, s: Step) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from dgemma.engine.features.base import Feature, Step
-from dgemma.engine.request import Request
+from dgemma.engine.request import Event, Request
 from dgemma.sampling.latency import step_budget
 
 
@@ -25,7 +25,7 @@ class LatencyTarget(Feature):
         if req.params.target_canvas_ms is not None:  # what it needs: SamplingParams.check_decoding
             req.latency = Budget(req.params.max_denoising_steps)
 
-    def start(self, rows: list[Request], tokens: Tensor) -> None:
+    def start(self, rows: list[Request], tokens: Tensor, events: list[Event]) -> None:
         """A new canvas starts under the request's own cap (Canvas.start reads it), not the last canvas's budget:
         a budget of one would make its first step the last, its self-conditioning signal never computed."""
         for r in rows:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from dgemma.engine.batch import Canvas
 from dgemma.engine.features.base import Feature, Step
-from dgemma.engine.request import Request
+from dgemma.engine.request import Event, Request
 from dgemma.model import DiffusionGemma
 from dgemma.sampling.early import stable_runs
 from dgemma.sampling.fused import Reuse
@@ -73,7 +73,7 @@ def _body_rows(rows: list[Request], reuse: Reuse | None) -> Tensor | None:
 
 
 class Settled(Feature):
-    def start(self, rows: list[Request], tokens: Tensor) -> None:
+    def start(self, rows: list[Request], tokens: Tensor, events: list[Event]) -> None:
         for r, t in zip(rows, tokens):
             if r.params.skip_settled is not None:
                 r.settled = SettledState(torch.zeros(t.shape[0], dtype=torch.long, device=t.device))
