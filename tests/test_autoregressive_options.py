@@ -15,6 +15,7 @@ from dgemma.cli import main
     (["--mode", "autoregressive", "--soft-top-k", "8"], "--soft-top-k"),
     (["--mode", "autoregressive", "--skip-settled", "2"], "--skip-settled"),
     (["--mode", "speculative", "--early-commit", "1"], "--early-commit"),
+    (["--mode", "autoregressive", "--early-first-token"], "--early-first-token"),
     (["--ar-temperature", "1.0"], "--ar-temperature"),
 ])
 def test_options_of_the_other_mode_are_refused(capsys, argv, flag):

@@ -29,6 +29,7 @@ from dgemma.server.protocol import OpenAIRequest
 from dgemma.server.worker import Job, Sink, Worker
 
 log = logging.getLogger("dgemma.server")
+INLINE_IDS = 16  # commits of at most this many ids are turned into text on the event loop
 GREEDY_T = 1e-3  # temperatures below this (0 included) -> a near-greedy schedule from 1e-3 down to 5e-4
 
 
@@ -196,9 +197,8 @@ class Service:
         limit = self.model.prompt_limit(self.config.limits)
         for prompt in prompts:
             try:
-                # the loop never tokenizes (nor compiles a grammar, nor builds a seeded layout)
-                ids = await self._off_loop(self.model.encode_prompt, prompt, limit, body.tool_use())
-                params = await self._off_loop(self._choice_params, body, ids, _partition(key, body.cache_salt))
+                # the loop never tokenizes (nor compiles a grammar, nor builds a seeded layout): one hop does it all
+                ids, params = await self._off_loop(self._prepare, body, prompt, limit, _partition(key, body.cache_salt))
                 plans += [Plan(ids, p) for p in params]
             except SamplingParamsError as e:  # a field is named as the client named it
                 message = re.sub(rf"\b{e.param}\b", renamed[e.param], str(e)) if e.param in renamed else str(e)
@@ -207,6 +207,11 @@ class Service:
                 raise bad_request(str(e), param) from None
             prompt_tokens += len(ids)
         return plans, prompt_tokens
+
+    def _prepare(self, body: OpenAIRequest, prompt: Any, limit: int,
+                 partition: str | None) -> tuple[list[int], list[SamplingParams]]:
+        ids = self.model.encode_prompt(prompt, limit, body.tool_use())
+        return ids, self._choice_params(body, ids, partition)
 
     def _choice_params(self, body: OpenAIRequest, ids: list[int], partition: str | None) -> list[SamplingParams]:
         """The n choices of a prompt: choice i has seed + i. The starting canvas and the renoising are random
@@ -335,9 +340,10 @@ class Generation:
             if event.kind == "start":
                 yield choice.index, StreamEvent("start")
                 continue
-            # committed text and finishes are detokenized (and a stop's kept ids found) off the event loop
-            items = self._on_event(choice, event) if event.kind == "draft" else \
-                await asyncio.to_thread(self._on_event, choice, event)
+            # finishes and long commits are detokenized (and a stop's kept ids found) off the event loop; a short
+            # commit costs less there than the hop to a thread and back
+            short = event.kind == "draft" or (event.kind == "commit" and len(event.token_ids) <= INLINE_IDS)
+            items = self._on_event(choice, event) if short else await asyncio.to_thread(self._on_event, choice, event)
             for item in items:
                 open_choices -= item.kind == "done"
                 yield choice.index, item
