@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dgemma.api import Model
@@ -29,7 +29,6 @@ from dgemma.server.protocol import OpenAIRequest
 from dgemma.server.worker import Job, Sink, Worker
 
 log = logging.getLogger("dgemma.server")
-INLINE_IDS = 16  # commits of at most this many ids are turned into text on the event loop
 GREEDY_T = 1e-3  # temperatures below this (0 included) -> a near-greedy schedule from 1e-3 down to 5e-4
 
 
@@ -286,6 +285,7 @@ class _Choice:
     request_id: str
     output: OutputStream
     logprobs: bool
+    first_sent: threading.Event = field(default_factory=threading.Event)  # its first commit was handled (sent)
     first_tokens: int = 0  # tokens of the first committed canvas
     t_first: float | None = None
     tokens: int = 0
@@ -315,7 +315,8 @@ class Generation:
             rid = f"{id}-{i}"
             output = OutputStream(service.model.tokenizer, plan.params.stop, tools)
             self.choices[rid] = _Choice(i, rid, output, plan.params.logprobs is not None)
-            jobs.append(Job(rid, plan.ids, plan.params, drafts, sink, self.t_arrival, *deadlines))
+            jobs.append(Job(rid, plan.ids, plan.params, drafts, sink, self.t_arrival, *deadlines,
+                            first_sent=self.choices[rid].first_sent))
         service.metrics.admitted(sum(len(p.ids) for p in plans))
         service.worker.submit(jobs)
 
@@ -340,13 +341,14 @@ class Generation:
             if event.kind == "start":
                 yield choice.index, StreamEvent("start")
                 continue
-            # finishes and long commits are detokenized (and a stop's kept ids found) off the event loop; a short
-            # commit costs less there than the hop to a thread and back
-            short = event.kind == "draft" or (event.kind == "commit" and len(event.token_ids) <= INLINE_IDS)
-            items = self._on_event(choice, event) if short else await asyncio.to_thread(self._on_event, choice, event)
+            # committed text and finishes are detokenized (and a stop's kept ids found) off the event loop
+            items = self._on_event(choice, event) if event.kind == "draft" else \
+                await asyncio.to_thread(self._on_event, choice, event)
             for item in items:
                 open_choices -= item.kind == "done"
                 yield choice.index, item
+            if event.kind == "commit":
+                choice.first_sent.set()  # its text is out (a stream sends a chunk before asking for the next)
 
     async def collect(self) -> list[Result]:
         """Non-streaming: each choice's Result, in order; raises the first error."""

@@ -1,6 +1,8 @@
 """The engine's own thread. The engine is not thread-safe, so everything reaches it through one queue that is
 drained between denoising steps (new requests, aborts, drain, stop); its events go back to each request's
-asyncio queue with `loop.call_soon_threadsafe`, one call per loop per step."""
+asyncio queue with `loop.call_soon_threadsafe`, one call per loop per step. After a step that committed a request's
+first ids the thread waits (FIRST_TEXT_WAIT at most) until the event loop has sent them: the next step would
+otherwise take the cores the loop needs to send the request's first text."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dgemma.engine import Engine, Event, Request  # Engine or AutoregressiveEngine: the same interface
 from dgemma.sampling import SamplingParams
@@ -19,6 +21,7 @@ from dgemma.server.metrics import Metrics
 
 log = logging.getLogger("dgemma.server")
 IDLE_POLL = 0.05  # seconds an idle worker waits for work before checking its drain deadline again
+FIRST_TEXT_WAIT = 0.005  # seconds the engine waits, at most, for the event loop to send a request's first text
 
 
 @dataclass
@@ -37,6 +40,8 @@ class Job:
     t_submit: float
     queue_deadline: float | None = None  # perf_counter time: not in the batch by then -> "queue_timeout"
     deadline: float | None = None  # perf_counter time: not finished by then -> "deadline"
+    first_sent: threading.Event = field(default_factory=threading.Event)  # set by the loop: first commit handled
+    first_seen: bool = False  # the engine committed this request's first ids
 
 
 class Worker:
@@ -150,9 +155,19 @@ class Worker:
         self.metrics.engine_step(self.engine.num_running, getattr(self.engine, "stats", None),
                                  time.perf_counter() - t0)
         self._deliver([(self._jobs[e.request_id].sink, e) for e in events if e.request_id in self._jobs])
+        self._await_first_text(events)
         for e in events:
             if e.kind == "finish" and e.request_id in self._requests:
                 self._retire(e.request_id)
+
+    def _await_first_text(self, events: list[Event]) -> None:
+        """Wait until the loop has sent the first commit of each request that made one in this step."""
+        firsts = [self._jobs[e.request_id] for e in events if e.kind == "commit" and e.request_id in self._jobs
+                  and not self._jobs[e.request_id].first_seen]
+        deadline = time.perf_counter() + FIRST_TEXT_WAIT
+        for job in firsts:
+            job.first_seen = True
+            job.first_sent.wait(max(0.0, deadline - time.perf_counter()))
 
     def _fail_all(self, reason: str, touch_engine: bool = True) -> None:
         """Abort every request and tell its client why ("abort": shutting down, "error": the engine failed)."""

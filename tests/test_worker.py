@@ -1,0 +1,83 @@
+"""The engine thread (server/worker.py) hands a request's first text to the event loop before it takes the cores
+for its next step: the step after a first commit starts only once the loop has handled it, and a loop that never
+does holds the engine back FIRST_TEXT_WAIT at most."""
+
+import asyncio
+import time
+
+from dgemma.engine import Event, Request
+from dgemma.sampling import SamplingParams
+from dgemma.server.metrics import Metrics
+from dgemma.server.worker import FIRST_TEXT_WAIT, Job, Sink, Worker
+
+
+class StubEngine:
+    """Each request: one id at its first step, one more and the end at its second; `log` records, per step,
+    whether the request's first commit had been handled (its job's flag) when the step began."""
+
+    def __init__(self):
+        self.waiting, self.rows, self.log, self.num_running = [], [], [], 0
+        self.jobs = {}
+
+    def add_request(self, prompt, params, request_id, drafts):
+        req = Request(request_id, prompt, params, eos=())
+        self.waiting.append(req)
+        return req
+
+    def has_work(self):
+        return bool(self.waiting or self.rows)
+
+    def abort(self, request_id):
+        pass
+
+    def step(self):
+        events = []
+        for req in self.rows:
+            self.log.append((time.perf_counter(), self.jobs[req.id].first_sent.is_set()))
+            req.output.append(6)
+            events += [Event(req.id, "commit", [6])]
+            req.finish("stop", events)
+        self.rows = [r for r in self.rows if not r.finished]
+        for req in self.waiting:
+            req.stats.t_start = time.perf_counter()
+            req.output.append(5)
+            events.append(Event(req.id, "commit", [5]))
+            self.log.append((time.perf_counter(), None))
+        self.rows, self.waiting = self.rows + self.waiting, []
+        return events
+
+
+def _serve(handle_first: bool) -> list:
+    """One request through a Worker on a stub engine; the loop handles its first commit (or never does)."""
+    engine = StubEngine()
+    worker = Worker(lambda: engine, Metrics())
+    worker.start()
+
+    async def main():
+        queue = asyncio.Queue()
+        job = Job("r", [1, 2], SamplingParams(), False, Sink(asyncio.get_running_loop(), queue), time.perf_counter())
+        engine.jobs["r"] = job
+        worker.submit([job])
+        while True:
+            event = await queue.get()
+            if event.kind == "commit" and event.token_ids == [5] and handle_first:
+                await asyncio.sleep(0.002)  # sending it
+                job.first_sent.set()
+            if event.kind == "finish":
+                return
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.stop()
+    return engine.log
+
+
+def test_the_step_after_a_first_commit_waits_for_the_loop_to_send_it():
+    log = _serve(handle_first=True)
+    assert [handled for _, handled in log] == [None, True]
+
+
+def test_a_loop_that_never_sends_it_holds_the_engine_back_a_bounded_time():
+    (t1, _), (t2, handled) = _serve(handle_first=False)
+    assert handled is False and FIRST_TEXT_WAIT <= t2 - t1 < FIRST_TEXT_WAIT + 0.5
