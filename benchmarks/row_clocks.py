@@ -3,6 +3,8 @@ one run on the bundled model:
 
 - mixed: 8 concurrent requests (prompts of 8..64 tokens, 32..128 new tokens, the checkpoint's adaptive
   defaults): aggregate committed tokens per second;
+- sustained: the same mix as 8 clients that each send their next request as soon as their last one finished
+  (a closed loop, as benchmarks/load.py drives a server), 32 requests in all: aggregate tokens per second;
 - short beside slow: a 32-token request at the adaptive defaults beside one that never becomes confident and
   runs 10x the short one's steps (measured alone first): the short one's time / its time alone.
 
@@ -40,11 +42,28 @@ def _engine(model, row_clocks: bool) -> Engine:
 def mixed(model, row_clocks: bool) -> dict:
     """8 requests at once; tokens per second over the whole run, and the engine's pass statistics."""
     engine = _engine(model, row_clocks)
-    reqs = [engine.add_request(_ids(model, 8 + 8 * i, i), model.defaults.replace(
-        seed=i, max_new_tokens=(32, 64, 96, 128)[i % 4])) for i in range(8)]
+    reqs = [_request(model, engine, i) for i in range(8)]
     t0 = time.perf_counter()
     for _ in engine.stream():
         pass
+    seconds = time.perf_counter() - t0
+    return {"tokens_per_second": sum(len(r.output) for r in reqs) / seconds, "stats": engine.stats.to_dict()}
+
+
+def _request(model, engine: Engine, i: int):
+    return engine.add_request(_ids(model, 8 + 8 * (i % 8), i), model.defaults.replace(
+        seed=i, max_new_tokens=(32, 64, 96, 128)[i % 4]))
+
+
+def sustained(model, row_clocks: bool, clients: int = 8, total: int = 32) -> dict:
+    """`clients` closed-loop clients, `total` requests: each finish sends that client's next request."""
+    engine = _engine(model, row_clocks)
+    reqs = [_request(model, engine, i) for i in range(clients)]
+    t0 = time.perf_counter()
+    while engine.has_work():
+        for ev in engine.step():
+            if ev.kind == "finish" and len(reqs) < total:
+                reqs.append(_request(model, engine, len(reqs)))
     seconds = time.perf_counter() - t0
     return {"tokens_per_second": sum(len(r.output) for r in reqs) / seconds, "stats": engine.stats.to_dict()}
 
@@ -75,15 +94,18 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.repeats):  # interleaved, so both engines see the same machine load
         for name, row_clocks in (("new", True), ("old", False)):
             runs.setdefault(f"mixed_{name}", []).append(mixed(model, row_clocks))
+            runs.setdefault(f"sustained_{name}", []).append(sustained(model, row_clocks))
             runs.setdefault(f"short_alone_{name}", []).append(short_beside_slow(model, row_clocks, None)[0])
             runs.setdefault(f"short_busy_{name}", []).append(short_beside_slow(model, row_clocks, slow_steps)[0])
-    med = {k: statistics.median(v) for k, v in runs.items() if not k.startswith("mixed")}
-    tps = {k: statistics.median(r["tokens_per_second"] for r in v) for k, v in runs.items() if k.startswith("mixed")}
+    loads = ("mixed", "sustained")
+    med = {k: statistics.median(v) for k, v in runs.items() if not k.startswith(loads)}
+    tps = {k: statistics.median(r["tokens_per_second"] for r in v) for k, v in runs.items() if k.startswith(loads)}
     print(json.dumps({
         "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
         "dtype": str(model.module.dtype), "repeats": args.repeats, "slow_steps": slow_steps,
         "mixed_tokens_per_second": tps, "mixed_ratio_new_over_old": tps["mixed_new"] / tps["mixed_old"],
-        "mixed_stats": {k: v[-1]["stats"] for k, v in runs.items() if k.startswith("mixed")},
+        "sustained_ratio_new_over_old": tps["sustained_new"] / tps["sustained_old"],
+        "pass_stats": {k: v[-1]["stats"] for k, v in runs.items() if k.startswith(loads)},
         "short_seconds": med,
         "short_busy_over_alone": {n: med[f"short_busy_{n}"] / med[f"short_alone_{n}"] for n in ("new", "old")},
     }))
