@@ -43,3 +43,19 @@ def float_ckpt(tmp_path_factory):
     randomise(model, 0)
     save_model(model, out, dtype=torch.bfloat16)
     return out
+
+
+def _reference_configs():
+    from reference import CONFIGS
+
+    return sorted(CONFIGS)
+
+
+@pytest.fixture(scope="module", params=_reference_configs())
+def reference_pair(request, tmp_path_factory):
+    """(transformers model, dgemma Model) of one tiny reference configuration, the same random weights."""
+    import dgemma
+    from reference import build_reference
+
+    d = tmp_path_factory.mktemp(f"ref_{request.param}")
+    return build_reference(request.param, d), dgemma.load(d)

@@ -15,15 +15,9 @@ from dgemma.cache import PrefixCache
 from dgemma.engine import Engine
 from dgemma.model.diffusion_gemma import PREFILL_CHUNK
 from dgemma.sampling import Grammar, SamplingParams, SamplingParamsError
-from reference import CONFIGS, build_reference, reference_logits
+from reference import reference_logits
 
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def pair(request, tmp_path_factory):
-    d = tmp_path_factory.mktemp(f"first_{request.param}")
-    return build_reference(request.param, d), dgemma.load(d)
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +43,10 @@ def _run(engine, prompts, params):
     return reqs, [commits[r.id] for r in reqs], [passes[r.id] for r in reqs]
 
 
-def test_the_first_id_is_the_reference_encoders_argmax_and_leaves_before_any_pass(pair):
+def test_the_first_id_is_the_reference_encoders_argmax_and_leaves_before_any_pass(reference_pair):
     """The first id is transformers' next-token argmax after the prompt; it goes out alone, before the first
     decoder pass, and the canvas keeps it."""
-    ref, model = pair
+    ref, model = reference_pair
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, model.module.cfg.text.vocab_size, (9,), generator=g).tolist()
     expected = int(reference_logits(ref, torch.tensor([prompt]), [])[0][0, -1].argmax())

@@ -14,13 +14,7 @@ import dgemma
 from dgemma import Grammar
 from dgemma.cli import main
 from dgemma.engine import SpeculativeEngine
-from reference import CONFIGS, build_reference, reference_logits
-
-
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def pair(request, tmp_path_factory):
-    d = tmp_path_factory.mktemp(f"spec_{request.param}")
-    return build_reference(request.param, d), dgemma.load(d)
+from reference import reference_logits
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +27,10 @@ def _prompt(model, n=7, seed=3):
     return torch.randint(3, model.module.cfg.text.vocab_size, (n,), generator=g).tolist()
 
 
-def test_greedy_ids_are_the_reference_encoders_argmax(pair):
+def test_greedy_ids_are_the_reference_encoders_argmax(reference_pair):
     """Past several canvases and the sliding windows: each id is transformers' next-token argmax after the ids
     before it (random weights: nearly every draft is wrong, so most cycles keep one id)."""
-    ref, model = pair
+    ref, model = reference_pair
     prompt, n = _prompt(model), 3 * model.module.cfg.canvas_length + 2
     r = model.generate(prompt, mode="speculative", max_new_tokens=n, eos_token_ids=())
     ids = list(prompt)
@@ -47,11 +41,11 @@ def test_greedy_ids_are_the_reference_encoders_argmax(pair):
     assert r.stats["decoder_passes"] == 1 + len(r.stats["cycles"]) + drafted
 
 
-def test_a_cycle_keeps_the_draft_up_to_its_first_wrong_id(pair, monkeypatch):
+def test_a_cycle_keeps_the_draft_up_to_its_first_wrong_id(reference_pair, monkeypatch):
     """Drafts copied from the autoregressive answer with one id changed at a planned position (or none): each
     cycle caches the given token and the drafted ids before the wrong one, so the cache grows by exactly that
     position (the whole checked span when nothing is wrong), and the answer stays the autoregressive one."""
-    _, model = pair
+    _, model = reference_pair
     c, vocab = model.module.cfg.canvas_length, model.module.cfg.text.vocab_size
     prompt, n = _prompt(model, seed=5), 6 * c
     expected = model.generate(prompt, mode="autoregressive", max_new_tokens=n, eos_token_ids=()).token_ids
