@@ -8,6 +8,7 @@ import torch
 
 import dgemma
 from dgemma.cache import KVCache, PrefixCache
+from dgemma.cache.prefix import common_prefix
 from dgemma.engine import Engine
 from dgemma.sampling import SamplingParams
 
@@ -204,3 +205,16 @@ def test_joins_and_leaves_leave_the_other_requests_caches_alone(demo):
     for _ in alone.stream():
         pass
     assert a.output == solo.output and len(a.output) == 128
+
+
+def test_common_prefix_is_the_first_position_where_the_ids_differ():
+    """Against an id-by-id scan: random id sequences over a small alphabet (long shared runs, every length
+    relation, a list or a tuple on the right)."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3000):
+        a, b = (torch.randint(0, 2, (int(torch.randint(0, 70, (1,), generator=g)),), generator=g).tolist()
+                for _ in range(2))
+        if torch.rand(1, generator=g) < 0.5:
+            b = a[:int(torch.randint(0, len(a) + 1, (1,), generator=g))] + b  # b starts with a part of a
+        expected = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix(tuple(a), b) == common_prefix(tuple(a), tuple(b)) == expected
