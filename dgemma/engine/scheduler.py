@@ -2,8 +2,8 @@
 `max_batch` rows, each joining row's own cache (a copy of the longest prefix the `PrefixCache` holds plus the rest
 of its prompt, or a prefill grouped by prompt length; with `chunk`, a prompt longer than that is encoded one chunk
 per engine step, so that it never stalls the running rows for longer; `prefilled` hears of each prompt's last
-hidden state), and pruning of finished rows, whose prompts
-and answers go to the prefix cache. A row's cache is its own, so joins and leaves never copy another row's."""
+hidden state), and pruning of finished rows, whose prompts and answers go to the prefix cache. A row's cache is
+its own, so joins and leaves never copy another row's."""
 
 from __future__ import annotations
 
