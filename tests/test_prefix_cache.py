@@ -64,6 +64,52 @@ def test_multi_turn_reuses_prompt_and_answer_with_identical_outputs(either):
     assert p.hits == 2 and p.lookups == 3 and p.tokens_reused > len(history) // 2
 
 
+def _steps(engine, prompt, seed, n=40):
+    """One request stepped to its end without `stream` (which tidies at the end, as an idle engine does)."""
+    req = engine.add_request(prompt, SamplingParams(max_new_tokens=n, seed=seed, max_denoising_steps=8))
+    while engine.has_work():
+        engine.step()
+    return req
+
+
+def test_a_finished_answer_is_encoded_only_for_a_prompt_that_continues_it_or_when_idle(demo):
+    """A finished answer waits: an unrelated request starts without it being encoded (nothing is added to the
+    prefix cache for it), a next turn that continues it gets it whole first, and `tidy` encodes the rest."""
+    cached, plain = _engine(demo, 64 << 20), _engine(demo)
+    p = cached.prefix_cache
+    encoded = []
+    encode = demo.module.encode
+    demo.module.encode = lambda ids, *a, **k: encoded.append(ids.shape[-1]) or encode(ids, *a, **k)
+    try:
+        first, other = _ids(demo, 60, 1), _ids(demo, 60, 2)
+        a = _steps(cached, first, 0)
+        b = _steps(cached, other, 1)
+        assert a.output and b.output and {k[1] for k in p.entries} == {tuple(first), tuple(other)}
+        answers_encoded = len(encoded)
+        nxt = first + a.output + _ids(demo, 10, 3)
+        c = _steps(cached, nxt, 2)
+        assert c.stats.cached_tokens == len(first) + len(a.output)  # a's answer was encoded for it, and reused
+        assert c.output == _steps(plain, nxt, 2).output
+        assert (None, tuple(other + b.output)) not in p.entries  # b's answer still waits
+        cached.tidy()
+        assert {(None, tuple(other + b.output)), (None, tuple(nxt + c.output))} <= set(p.entries)
+        assert len(encoded) > answers_encoded
+    finally:
+        demo.module.encode = encode
+
+
+def test_past_max_batch_waiting_answers_the_cache_keeps_what_is_encoded(demo):
+    """With more finished answers waiting than the batch has rows (4), the oldest goes to the prefix cache without
+    model work: its prompt and the answer's canvases before the last, the ones its cache holds."""
+    cached = _engine(demo, 64 << 20)
+    a, *_ = [_steps(cached, _ids(demo, 60, 20 + i), i, n=48) for i in range(5)]
+    keys = {k[1] for k in cached.prefix_cache.entries}
+    whole = tuple(a.prompt + a.output)
+    assert len(a.output) > demo.module.cfg.canvas_length and whole not in keys
+    kept = [k for k in keys if len(a.prompt) < len(k) < len(whole) and whole[:len(k)] == k]
+    assert kept and len(cached.scheduler.unremembered) == 4
+
+
 def test_requests_sharing_a_prefix_in_one_batch(demo):
     """Concurrent requests with a shared system prompt each get a private copy of it and the answers they get
     without the cache."""

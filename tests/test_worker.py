@@ -1,6 +1,7 @@
 """The engine thread (server/worker.py) hands a request's first text to the event loop before it takes the cores
 for its next step: the step after a first commit starts only once the loop has handled it, and a loop that never
-does holds the engine back FIRST_TEXT_WAIT at most."""
+does holds the engine back FIRST_TEXT_WAIT at most. The work that waits for idle time (`tidy`) runs only once the
+engine has had nothing to do for IDLE_POLL."""
 
 import asyncio
 import time
@@ -8,7 +9,7 @@ import time
 from dgemma.engine import Event, Request
 from dgemma.sampling import SamplingParams
 from dgemma.server.metrics import Metrics
-from dgemma.server.worker import FIRST_TEXT_WAIT, Job, Sink, Worker
+from dgemma.server.worker import FIRST_TEXT_WAIT, IDLE_POLL, Job, Sink, Worker
 
 
 class StubEngine:
@@ -17,7 +18,10 @@ class StubEngine:
 
     def __init__(self):
         self.waiting, self.rows, self.log, self.num_running = [], [], [], 0
-        self.jobs = {}
+        self.jobs, self.tidied = {}, []
+
+    def tidy(self):
+        self.tidied.append(time.perf_counter())
 
     def add_request(self, prompt, params, request_id, drafts):
         req = Request(request_id, prompt, params, eos=())
@@ -47,16 +51,17 @@ class StubEngine:
         return events
 
 
-def _serve(handle_first: bool) -> list:
-    """One request through a Worker on a stub engine; the loop handles its first commit (or never does)."""
-    engine = StubEngine()
+def _serve(handle_first: bool, engine: StubEngine | None = None, requests: int = 1, pause: float = 0.0) -> list:
+    """Requests one after another through a Worker on a stub engine, then `pause` seconds; the loop handles their
+    first commits (or never does)."""
+    engine = engine or StubEngine()
     worker = Worker(lambda: engine, Metrics())
     worker.start()
 
-    async def main():
+    async def one(rid: str):
         queue = asyncio.Queue()
-        job = Job("r", [1, 2], SamplingParams(), False, Sink(asyncio.get_running_loop(), queue), time.perf_counter())
-        engine.jobs["r"] = job
+        job = Job(rid, [1, 2], SamplingParams(), False, Sink(asyncio.get_running_loop(), queue), time.perf_counter())
+        engine.jobs[rid] = job
         worker.submit([job])
         while True:
             event = await queue.get()
@@ -65,6 +70,11 @@ def _serve(handle_first: bool) -> list:
                 job.first_sent.set()
             if event.kind == "finish":
                 return
+
+    async def main():
+        for i in range(requests):
+            await one(f"r{i}")
+        await asyncio.sleep(pause)
 
     try:
         asyncio.run(main())
@@ -81,3 +91,12 @@ def test_the_step_after_a_first_commit_waits_for_the_loop_to_send_it():
 def test_a_loop_that_never_sends_it_holds_the_engine_back_a_bounded_time():
     (t1, _), (t2, handled) = _serve(handle_first=False)
     assert handled is False and FIRST_TEXT_WAIT <= t2 - t1 < FIRST_TEXT_WAIT + 0.5
+
+
+def test_idle_work_waits_until_nothing_came_for_idle_poll():
+    """Two requests back to back, then a pause: no tidy between them (the second was not kept waiting), one after
+    the pause, at least IDLE_POLL after the last step."""
+    engine = StubEngine()
+    log = _serve(True, engine, requests=2, pause=3 * IDLE_POLL)
+    last_step = log[-1][0]
+    assert len(log) == 4 and engine.tidied and all(t >= last_step + IDLE_POLL for t in engine.tidied)

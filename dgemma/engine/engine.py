@@ -77,6 +77,10 @@ class Engine(Runner):
     def has_work(self) -> bool:
         return bool(self.waiting or self.scheduler.prefilling) or self.batch is not None
 
+    @torch.inference_mode()
+    def tidy(self) -> None:
+        self.scheduler.tidy()
+
     @property
     def num_running(self) -> int:
         return 0 if self.batch is None else sum(not r.finished for r in self.batch.rows)

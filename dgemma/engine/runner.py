@@ -59,9 +59,13 @@ class Runner:
     def has_work(self) -> bool:
         raise NotImplementedError
 
+    def tidy(self) -> None:
+        """Work that waits until there is nothing else to do (the server calls it once idle)."""
+
     def stream(self) -> Iterator[Event]:
         while self.has_work():
             yield from self.step()
+        self.tidy()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
         """Decode these prompts to the end; returns their finished requests."""

@@ -2,8 +2,9 @@
 `max_batch` rows, each joining row's own cache (a copy of the longest prefix the `PrefixCache` holds plus the rest
 of its prompt, or a prefill grouped by prompt length; with `chunk`, a prompt longer than that is encoded one chunk
 per engine step, so that it never stalls the running rows for longer; `prefilled` hears of each prompt's last
-hidden state), and pruning of finished rows, whose prompts and answers go to the prefix cache. A row's cache is
-its own, so joins and leaves never copy another row's."""
+hidden state), and pruning of finished rows, whose prompts and answers go to the prefix cache: lazily (`tidy`, when
+the engine is idle, or before a prompt that continues one of them), so that encoding a finished answer never delays
+a request that does not continue it. A row's cache is its own, so joins and leaves never copy another row's."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dgemma.cache import KVCache, PrefixCache
+from dgemma.cache.prefix import common_prefix
 from dgemma.engine.batch import Canvas, prefill
 from dgemma.engine.request import Request
 from dgemma.model import DiffusionGemma
@@ -49,11 +51,14 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.prefilling: list[tuple[Request, KVCache]] = []  # long prompts, encoded a chunk per step
         self.batch: Batch | None = None
+        self.unremembered: list[tuple[Request, KVCache]] = []  # finished rows the prefix cache has not taken yet
 
     def admit(self) -> list[Request]:
         """Move requests into the batch while there is room, each with its cache; returns them."""
         room = self.max_batch - (0 if self.batch is None else len(self.batch.rows)) - len(self.prefilling)
         rows, self.waiting = self.waiting[:room], self.waiting[room:]
+        if rows and self.unremembered:
+            self._remember_continued(rows)
         caches = {r.id: self._from_prefix(r) for r in rows} if self.prefix_cache is not None else {}
         fresh = [r for r in rows if caches.get(r.id) is None]
         long = {r.id for r in fresh if self.chunk is not None and len(r.prompt) > self.chunk}
@@ -101,7 +106,8 @@ class Scheduler:
         b = self.batch
         keep = [i for i, r in enumerate(b.rows) if not r.finished]
         if self.prefix_cache is not None:
-            self._remember([(r, c) for r, c in zip(b.rows, b.caches) if r.finish_reason in ("stop", "length")])
+            self.unremembered += [(r, c) for r, c in zip(b.rows, b.caches) if r.finish_reason in ("stop", "length")]
+            self._remember(self.unremembered[:max(0, len(self.unremembered) - self.max_batch)], encode=False)
         if not keep:
             self.batch = None
             return False
@@ -123,11 +129,26 @@ class Scheduler:
                 self.prefilled([r], self.model.prefill(torch.tensor([r.prompt[n:]], device=self.model.device), cache))
         return cache
 
-    def _remember(self, finished: list[tuple[Request, KVCache]]) -> None:
+    def tidy(self) -> None:
+        """Give the prefix cache every finished row's prompt and answer (work that waits for idle time)."""
+        self._remember(self.unremembered)
+
+    def _remember_continued(self, rows: list[Request]) -> None:
+        """Before these prompts are looked up: remember the finished rows whose answers one of them continues (a
+        chat's next turn), which the prefix cache then holds whole."""
+        self._remember([(f, c) for f, c in self.unremembered if any(
+            r.params.cache_salt == f.params.cache_salt and common_prefix(tuple(f.prompt + f.output), r.prompt)
+            > len(f.prompt) for r in rows)])
+
+    def _remember(self, finished: list[tuple[Request, KVCache]], encode: bool = True) -> None:
         """Keep finished requests' prompts and answers for later turns: the answer's last canvas (never encoded
-        while decoding) is encoded first, up to the answer's end."""
+        while decoding) is encoded first, up to the answer's end; without `encode` (more than `max_batch` rows
+        waiting for it) the cache keeps what is encoded already, a copy without model work."""
+        if not finished:
+            return
+        self.unremembered = [(r, c) for r, c in self.unremembered if all(r is not f for f, _ in finished)]
         for r, cache in finished:
             tokens = r.prompt + r.output
-            if len(tokens) > cache.length:
+            if encode and len(tokens) > cache.length:
                 self.model.encode(torch.tensor([tokens[cache.length:]], device=self.model.device), cache)
-            self.prefix_cache.store(tokens, cache, r.params.cache_salt)
+            self.prefix_cache.store(tokens[:cache.length], cache, r.params.cache_salt)

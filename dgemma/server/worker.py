@@ -1,8 +1,9 @@
 """The engine's own thread. The engine is not thread-safe, so everything reaches it through one queue that is
-drained between denoising steps (new requests, aborts, drain, stop); its events go back to each request's
-asyncio queue with `loop.call_soon_threadsafe`, one call per loop per step. After a step that committed a request's
-first ids the thread waits (FIRST_TEXT_WAIT at most) until the event loop has sent them: the next step would
-otherwise take the cores the loop needs to send the request's first text."""
+drained between denoising steps (new requests, aborts, drain, stop); its events go back to each request's asyncio
+queue with `loop.call_soon_threadsafe`, one call per loop per step. Once idle for IDLE_POLL it runs the work that
+waited (`Engine.tidy`: the prefix cache's copies of finished answers), so a request never waits for it. After a
+step that committed a request's first ids the thread waits (FIRST_TEXT_WAIT at most) until the event loop has sent
+them: the next step would otherwise take the cores the loop needs to send the request's first text."""
 
 from __future__ import annotations
 
@@ -93,7 +94,10 @@ class Worker:
             raise
 
     def _serve_once(self) -> bool:
-        for kind, arg in self._commands(block=not self.engine.has_work()):
+        commands = self._commands(block=not self.engine.has_work())
+        if not commands and not self.engine.has_work():
+            self.engine.tidy()  # idle for IDLE_POLL: the work that waited for it (never before a request)
+        for kind, arg in commands:
             if kind == "add":
                 self._add(arg)
             elif kind == "abort":
