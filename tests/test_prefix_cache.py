@@ -72,42 +72,40 @@ def _steps(engine, prompt, seed, n=40):
     return req
 
 
-def test_a_finished_answer_is_encoded_only_for_a_prompt_that_continues_it_or_when_idle(demo):
-    """A finished answer waits: an unrelated request starts without it being encoded (nothing is added to the
-    prefix cache for it), a next turn that continues it gets it whole first, and `tidy` encodes the rest."""
+def _held(demo, req):
+    """What a finished request's cache holds: its prompt and every canvas of its answer but the last."""
+    return len(req.prompt) + demo.module.cfg.canvas_length * (len(req.stats.steps_per_canvas) - 1)
+
+
+def test_a_finished_answer_s_last_canvas_is_encoded_once_the_engine_is_idle(demo):
+    """When a request ends, the prefix cache keeps its prompt and answer as far as its cache holds them, without
+    model work; the next request starts at once. A next turn that comes before `tidy` continues from that and
+    encodes the rest with its own prompt (the ids it gets without the cache); `tidy` encodes the others' last
+    canvases."""
     cached, plain = _engine(demo, 64 << 20), _engine(demo)
     p = cached.prefix_cache
-    encoded = []
-    encode = demo.module.encode
-    demo.module.encode = lambda ids, *a, **k: encoded.append(ids.shape[-1]) or encode(ids, *a, **k)
-    try:
-        first, other = _ids(demo, 60, 1), _ids(demo, 60, 2)
-        a = _steps(cached, first, 0)
-        b = _steps(cached, other, 1)
-        assert a.output and b.output and {k[1] for k in p.entries} == {tuple(first), tuple(other)}
-        answers_encoded = len(encoded)
-        nxt = first + a.output + _ids(demo, 10, 3)
-        c = _steps(cached, nxt, 2)
-        assert c.stats.cached_tokens == len(first) + len(a.output)  # a's answer was encoded for it, and reused
-        assert c.output == _steps(plain, nxt, 2).output
-        assert (None, tuple(other + b.output)) not in p.entries  # b's answer still waits
-        cached.tidy()
-        assert {(None, tuple(other + b.output)), (None, tuple(nxt + c.output))} <= set(p.entries)
-        assert len(encoded) > answers_encoded
-    finally:
-        demo.module.encode = encode
+    first, other = _ids(demo, 60, 1), _ids(demo, 60, 2)
+    a = _steps(cached, first, 0, n=48)
+    b = _steps(cached, other, 1)
+    whole_a, whole_b = tuple(first + a.output), tuple(other + b.output)
+    assert len(a.stats.steps_per_canvas) == 2 and _held(demo, a) < len(whole_a)
+    assert {k[1] for k in p.entries} == {whole_a[:_held(demo, a)], whole_b[:_held(demo, b)]}
+    nxt = first + a.output + _ids(demo, 10, 3)
+    c = _steps(cached, nxt, 2)
+    assert c.stats.cached_tokens == _held(demo, a) and c.output == _steps(plain, nxt, 2).output
+    cached.tidy()
+    assert {whole_b, tuple(nxt + c.output)} <= {k[1] for k in p.entries}
 
 
-def test_past_max_batch_waiting_answers_the_cache_keeps_what_is_encoded(demo):
-    """With more finished answers waiting than the batch has rows (4), the oldest goes to the prefix cache without
-    model work: its prompt and the answer's canvases before the last, the ones its cache holds."""
+def test_only_the_newest_max_batch_last_canvases_are_owed(demo):
+    """Of 5 finished answers (the batch has 4 rows), `tidy` completes the newest 4; the oldest stays as far as
+    its cache held it."""
     cached = _engine(demo, 64 << 20)
-    a, *_ = [_steps(cached, _ids(demo, 60, 20 + i), i, n=48) for i in range(5)]
+    reqs = [_steps(cached, _ids(demo, 60, 20 + i), i) for i in range(5)]
+    cached.tidy()
     keys = {k[1] for k in cached.prefix_cache.entries}
-    whole = tuple(a.prompt + a.output)
-    assert len(a.output) > demo.module.cfg.canvas_length and whole not in keys
-    kept = [k for k in keys if len(a.prompt) < len(k) < len(whole) and whole[:len(k)] == k]
-    assert kept and len(cached.scheduler.unremembered) == 4
+    whole = [tuple(r.prompt + r.output) for r in reqs]
+    assert whole[0] not in keys and whole[0][:_held(demo, reqs[0])] in keys and set(whole[1:]) <= keys
 
 
 def test_requests_sharing_a_prefix_in_one_batch(demo):

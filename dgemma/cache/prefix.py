@@ -15,6 +15,7 @@ partition's prompts were.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from dgemma.cache.kv import KVCache
 
@@ -83,6 +84,17 @@ class PrefixCache:
             self.evictions += 1
         self.entries[key] = copy
         self.bytes += copy.nbytes
+
+    def extend(self, tokens: list[int], held: int, partition: str | None,
+               encode: Callable[[KVCache, list[int]], None]) -> None:
+        """Grow the entry for tokens[:held], if it is still kept, to all of `tokens`: `encode(cache, ids)` writes
+        the missing ids into a copy of it, which replaces it. Not a lookup: no counter moves."""
+        key = (partition, tuple(tokens[:held]))
+        if key not in self.entries or held >= len(tokens):
+            return
+        cache = self.entries[key].extract(0, 0, held)
+        encode(cache, tokens[held:])
+        self.store(tokens, cache, partition)
 
     def _drop(self, key: Key) -> None:
         self.bytes -= self.entries.pop(key).nbytes

@@ -2,9 +2,10 @@
 `max_batch` rows, each joining row's own cache (a copy of the longest prefix the `PrefixCache` holds plus the rest
 of its prompt, or a prefill grouped by prompt length; with `chunk`, a prompt longer than that is encoded one chunk
 per engine step, so that it never stalls the running rows for longer; `prefilled` hears of each prompt's last
-hidden state), and pruning of finished rows, whose prompts and answers go to the prefix cache: lazily (`tidy`, when
-the engine is idle, or before a prompt that continues one of them), so that encoding a finished answer never delays
-a request that does not continue it. A row's cache is its own, so joins and leaves never copy another row's."""
+hidden state), and pruning of finished rows, whose prompts and answers go to the prefix cache as far as their caches
+hold them (a copy: the answer's last canvas was never encoded); `tidy`, once the engine is idle, encodes those last
+canvases, so that this never delays a request (a next turn that comes first encodes it with its own prompt). A
+row's cache is its own, so joins and leaves never copy another row's."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from dataclasses import dataclass, field
 import torch
 
 from dgemma.cache import KVCache, PrefixCache
-from dgemma.cache.prefix import common_prefix
 from dgemma.engine.batch import Canvas, prefill
 from dgemma.engine.request import Request
 from dgemma.model import DiffusionGemma
@@ -51,14 +51,12 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.prefilling: list[tuple[Request, KVCache]] = []  # long prompts, encoded a chunk per step
         self.batch: Batch | None = None
-        self.unremembered: list[tuple[Request, KVCache]] = []  # finished rows the prefix cache has not taken yet
+        self.owed: list[tuple[str | None, list[int], int]] = []  # finished (partition, prompt + answer, ids cached)
 
     def admit(self) -> list[Request]:
         """Move requests into the batch while there is room, each with its cache; returns them."""
         room = self.max_batch - (0 if self.batch is None else len(self.batch.rows)) - len(self.prefilling)
         rows, self.waiting = self.waiting[:room], self.waiting[room:]
-        if rows and self.unremembered:
-            self._remember_continued(rows)
         caches = {r.id: self._from_prefix(r) for r in rows} if self.prefix_cache is not None else {}
         fresh = [r for r in rows if caches.get(r.id) is None]
         long = {r.id for r in fresh if self.chunk is not None and len(r.prompt) > self.chunk}
@@ -106,8 +104,7 @@ class Scheduler:
         b = self.batch
         keep = [i for i, r in enumerate(b.rows) if not r.finished]
         if self.prefix_cache is not None:
-            self.unremembered += [(r, c) for r, c in zip(b.rows, b.caches) if r.finish_reason in ("stop", "length")]
-            self._remember(self.unremembered[:max(0, len(self.unremembered) - self.max_batch)], encode=False)
+            self._remember([(r, c) for r, c in zip(b.rows, b.caches) if r.finish_reason in ("stop", "length")])
         if not keep:
             self.batch = None
             return False
@@ -130,25 +127,22 @@ class Scheduler:
         return cache
 
     def tidy(self) -> None:
-        """Give the prefix cache every finished row's prompt and answer (work that waits for idle time)."""
-        self._remember(self.unremembered)
+        """Encode the last canvases of the answers `_remember` kept (idle-time work): each entry grows to its whole
+        answer, unless it has left the prefix cache or a next turn's prompt replaced it."""
+        owed, self.owed = self.owed, []
+        for partition, tokens, held in owed:
+            self.prefix_cache.extend(tokens, held, partition, self._encode_into)
 
-    def _remember_continued(self, rows: list[Request]) -> None:
-        """Before these prompts are looked up: remember the finished rows whose answers one of them continues (a
-        chat's next turn), which the prefix cache then holds whole."""
-        self._remember([(f, c) for f, c in self.unremembered if any(
-            r.params.cache_salt == f.params.cache_salt and common_prefix(tuple(f.prompt + f.output), r.prompt)
-            > len(f.prompt) for r in rows)])
+    def _encode_into(self, cache: KVCache, ids: list[int]) -> None:
+        self.model.encode(torch.tensor([ids], device=self.model.device), cache)
 
-    def _remember(self, finished: list[tuple[Request, KVCache]], encode: bool = True) -> None:
-        """Keep finished requests' prompts and answers for later turns: the answer's last canvas (never encoded
-        while decoding) is encoded first, up to the answer's end; without `encode` (more than `max_batch` rows
-        waiting for it) the cache keeps what is encoded already, a copy without model work."""
-        if not finished:
-            return
-        self.unremembered = [(r, c) for r, c in self.unremembered if all(r is not f for f, _ in finished)]
+    def _remember(self, finished: list[tuple[Request, KVCache]]) -> None:
+        """Keep finished requests' prompts and answers for later turns, as far as their caches hold them: a copy
+        without model work. What the cache lacks (the answer's last canvas, never encoded while decoding) is owed
+        to `tidy`; the newest `max_batch` debts are kept."""
         for r, cache in finished:
             tokens = r.prompt + r.output
-            if encode and len(tokens) > cache.length:
-                self.model.encode(torch.tensor([tokens[cache.length:]], device=self.model.device), cache)
             self.prefix_cache.store(tokens[:cache.length], cache, r.params.cache_salt)
+            if len(tokens) > cache.length:
+                self.owed.append((r.params.cache_salt, tokens, cache.length))
+        del self.owed[:-self.max_batch]
