@@ -16,12 +16,18 @@ class StubEngine:
     """Each request: one id at its first step, one more and the end at its second; `log` records, per step,
     whether the request's first commit had been handled (its job's flag) when the step began."""
 
-    def __init__(self):
+    def __init__(self, pieces: int = 1):
         self.waiting, self.rows, self.log, self.num_running = [], [], [], 0
-        self.jobs, self.tidied = {}, []
+        self.jobs, self.tidied, self.order = {}, [], []
+        self.pieces, self.on_piece = pieces, {}  # idle-time work left; piece number -> what happens during it
 
     def tidy(self):
-        self.tidied.append(time.perf_counter())
+        if self.pieces:
+            self.pieces -= 1
+            self.tidied.append(time.perf_counter())
+            self.order.append("tidy")
+            self.on_piece.pop(len(self.tidied), lambda: None)()
+        return self.pieces > 0
 
     def add_request(self, prompt, params, request_id, drafts):
         req = Request(request_id, prompt, params, eos=())
@@ -35,6 +41,7 @@ class StubEngine:
         pass
 
     def step(self):
+        self.order.append("step")
         events = []
         for req in self.rows:
             self.log.append((time.perf_counter(), self.jobs[req.id].first_sent.is_set()))
@@ -100,3 +107,28 @@ def test_idle_work_waits_until_nothing_came_for_idle_poll():
     log = _serve(True, engine, requests=2, pause=3 * IDLE_POLL)
     last_step = log[-1][0]
     assert len(log) == 4 and engine.tidied and all(t >= last_step + IDLE_POLL for t in engine.tidied)
+
+
+def test_idle_work_runs_a_piece_at_a_time_and_a_request_waits_for_one_piece_at_most():
+    """4 pieces of idle-time work; a request arrives during the second: its steps come right after that piece,
+    the other two pieces once the engine has been idle for IDLE_POLL again."""
+    engine = StubEngine(pieces=4)
+    worker = Worker(lambda: engine, Metrics())
+
+    async def main():
+        queue = asyncio.Queue()
+        job = Job("r", [1, 2], SamplingParams(), False, Sink(asyncio.get_running_loop(), queue), time.perf_counter())
+        job.first_sent.set()
+        engine.jobs["r"] = job
+        engine.on_piece[2] = lambda: worker.submit([job])
+        worker.start()
+        while (await queue.get()).kind != "finish":
+            pass
+        await asyncio.sleep(3 * IDLE_POLL)
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.stop()
+    assert engine.order == ["tidy", "tidy", "step", "step", "tidy", "tidy"]
+    assert engine.tidied[2] >= engine.log[-1][0] + IDLE_POLL

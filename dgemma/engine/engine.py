@@ -78,8 +78,8 @@ class Engine(Runner):
         return bool(self.waiting or self.scheduler.prefilling) or self.batch is not None
 
     @torch.inference_mode()
-    def tidy(self) -> None:
-        self.scheduler.tidy()
+    def tidy(self) -> bool:
+        return self.scheduler.tidy()
 
     @property
     def num_running(self) -> int:

@@ -59,13 +59,17 @@ class Runner:
     def has_work(self) -> bool:
         raise NotImplementedError
 
-    def tidy(self) -> None:
-        """Work that waits until there is nothing else to do (the server calls it once idle)."""
+    def tidy(self) -> bool:
+        """A piece (about a step's worth) of the work that waits until there is nothing else to do; True while
+        some is left. The server calls it once idle, a piece at a time, and serves a request that comes between
+        two pieces first."""
+        return False
 
     def stream(self) -> Iterator[Event]:
         while self.has_work():
             yield from self.step()
-        self.tidy()
+        while self.tidy():
+            pass
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
         """Decode these prompts to the end; returns their finished requests."""

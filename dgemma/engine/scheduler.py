@@ -126,12 +126,14 @@ class Scheduler:
                 self.prefilled([r], self.model.prefill(torch.tensor([r.prompt[n:]], device=self.model.device), cache))
         return cache
 
-    def tidy(self) -> None:
-        """Encode the last canvases of the answers `_remember` kept (idle-time work): each entry grows to its whole
-        answer, unless it has left the prefix cache or a next turn's prompt replaced it."""
-        owed, self.owed = self.owed, []
-        for partition, tokens, held in owed:
+    def tidy(self) -> bool:
+        """Encode the last canvas of one answer `_remember` kept, the newest (idle-time work): its entry grows to
+        the whole answer, unless it has left the prefix cache or a next turn's prompt replaced it. True while
+        more is owed."""
+        if self.owed:
+            partition, tokens, held = self.owed.pop()
             self.prefix_cache.extend(tokens, held, partition, self._encode_into)
+        return bool(self.owed)
 
     def _encode_into(self, cache: KVCache, ids: list[int]) -> None:
         self.model.encode(torch.tensor([ids], device=self.model.device), cache)

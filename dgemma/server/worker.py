@@ -1,9 +1,10 @@
 """The engine's own thread. The engine is not thread-safe, so everything reaches it through one queue that is
 drained between denoising steps (new requests, aborts, drain, stop); its events go back to each request's asyncio
 queue with `loop.call_soon_threadsafe`, one call per loop per step. Once idle for IDLE_POLL it runs the work that
-waited (`Engine.tidy`: the prefix cache's copies of finished answers), so a request never waits for it. After a
-step that committed a request's first ids the thread waits (FIRST_TEXT_WAIT at most) until the event loop has sent
-them: the next step would otherwise take the cores the loop needs to send the request's first text."""
+waited (`Engine.tidy`: finished answers' last canvases for the prefix cache), a piece at a time with the queue
+polled between pieces, so a request waits for one piece at most. After a step that committed a request's first
+ids the thread waits (FIRST_TEXT_WAIT at most) until the event loop has sent them: the next step would otherwise
+take the cores the loop needs to send the request's first text."""
 
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ class Worker:
         self._requests: dict[str, Request] = {}
         self._unstarted: set[str] = set()  # requests not yet in the batch: told "start" when they are
         self._deadline: float | None = None  # while draining: abort whatever still runs after this time
+        self._tidying = False  # the engine's idle-time work is under way (the inbox is polled between pieces)
         self._thread = threading.Thread(target=self._run, name="dgemma-engine", daemon=True)
         self.running = 0  # published after each step for /metrics
         self.waiting = 0
@@ -94,9 +96,10 @@ class Worker:
             raise
 
     def _serve_once(self) -> bool:
-        commands = self._commands(block=not self.engine.has_work())
-        if not commands and not self.engine.has_work():
-            self.engine.tidy()  # idle for IDLE_POLL: the work that waited for it (never before a request)
+        idle = not self.engine.has_work()
+        commands = self._commands(block=idle and not self._tidying)
+        # idle for IDLE_POLL (or between two pieces of it): a piece of the work that waited for idle time
+        self._tidying = idle and not commands and self.engine.tidy()
         for kind, arg in commands:
             if kind == "add":
                 self._add(arg)
