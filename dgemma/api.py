@@ -277,16 +277,16 @@ class Model:
 
     def runner(self, mode: str = "diffusion", sampling: str = "fast", max_batch: int = 16,
                prefix_cache: PrefixCache | None = None):
-        """The engine for a decoding mode: `Engine` (continuous batching, reusing `prefix_cache` if given),
-        `ReferenceRunner`, `AutoregressiveEngine` or `SpeculativeEngine`; all take `add_request` and yield the same
-        events from `stream()`."""
+        """The engine for a decoding mode: `Engine` (continuous batching), `ReferenceRunner`,
+        `AutoregressiveEngine` or `SpeculativeEngine` (all but the reference reuse `prefix_cache` if given); all take
+        `add_request` and yield the same events from `stream()`."""
         eos = self.defaults.eos_token_ids or ()
         if mode not in MODES or sampling not in SAMPLINGS:
             bad, name, names = (("mode", mode, MODES) if mode not in MODES else ("sampling", sampling, SAMPLINGS))
             raise SamplingParamsError(f"{bad}={name!r} must be one of {', '.join(names)}", bad)
         if mode in ("autoregressive", "speculative"):
             engine = AutoregressiveEngine if mode == "autoregressive" else SpeculativeEngine
-            runner = engine(self.module, eos, max_batch)
+            runner = engine(self.module, eos, max_batch, prefix_cache)
         elif sampling == "reference":
             runner = ReferenceRunner(self.module, eos, self.pad_id)
         else:

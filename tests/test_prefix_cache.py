@@ -9,7 +9,7 @@ import torch
 import dgemma
 from dgemma.cache import KVCache, PrefixCache
 from dgemma.cache.prefix import common_prefix
-from dgemma.engine import Engine
+from dgemma.engine import AutoregressiveEngine, Engine, SpeculativeEngine
 from dgemma.sampling import SamplingParams
 
 
@@ -108,6 +108,24 @@ def test_only_the_newest_max_batch_last_canvases_are_owed(demo):
     keys = {k[1] for k in cached.prefix_cache.entries}
     whole = [tuple(r.prompt + r.output) for r in reqs]
     assert whole[0] not in keys and whole[0][:_held(demo, reqs[0])] in keys and set(whole[1:]) <= keys
+
+
+@pytest.mark.parametrize("engine", [AutoregressiveEngine, SpeculativeEngine])
+def test_autoregressive_and_speculative_turns_reuse_the_previous_prompt_and_answer(demo, engine):
+    """Three turns as above, decoded autoregressively (greedy, float32): each turn continues from the previous
+    prompt and answer, all of it or all but the last token (a token is cached when the next one is computed), and
+    its ids are the ones it gets without the cache."""
+    eos = demo.defaults.eos_token_ids or ()
+    cached, plain = engine(demo.module, eos, 2, PrefixCache(64 << 20)), engine(demo.module, eos, 2)
+    history, reusable = _ids(demo, 150, 0), None
+    for turn in range(3):
+        params = SamplingParams(max_new_tokens=24 + 8 * turn, seed=turn)
+        (a,), (b,) = cached.generate([history], params), plain.generate([history], params)
+        assert a.output and a.output == b.output
+        assert reusable is None and a.stats.cached_tokens == 0 or a.stats.cached_tokens in reusable
+        reusable = (len(history) + len(a.output) - 1, len(history) + len(a.output))
+        history = history + a.output + _ids(demo, 20, turn + 1)
+    assert cached.prefix_cache.hits == 2
 
 
 def test_requests_sharing_a_prefix_in_one_batch(demo):

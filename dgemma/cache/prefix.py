@@ -64,14 +64,14 @@ class PrefixCache:
         return self.entries[best].extract(0, 0, best_len), best_len
 
     def store(self, tokens: list[int], cache: KVCache, partition: str | None = None) -> None:
-        """Keep a copy of `cache` (one row holding exactly `tokens`) in `partition`; entries of that partition it
-        makes redundant (prefixes it can stand in for) leave, then the least recently used of any partition until
-        it fits. Larger than the budget: not kept."""
+        """Keep a copy of the slots of `cache` (one row) that hold `tokens`, its first ones, in `partition`; entries
+        of that partition it makes redundant (prefixes it can stand in for) leave, then the least recently used of
+        any partition until it fits. Larger than the budget: not kept."""
         key = (partition, tuple(tokens))
         if key in self.entries:
             self.entries.move_to_end(key)
             return
-        if cache.length != len(tokens) or not cache.holds(len(tokens)):
+        if cache.length < len(tokens) or not cache.holds(len(tokens)):
             return
         copy = cache.extract(0, 0, len(tokens))
         if copy.nbytes > self.budget:

@@ -1,8 +1,10 @@
 """Autoregressive decoding of the same weights: the encoder as a plain next-token model. Same interface and events
 as `Engine`, so the API and the server drive either. Up to `max_batch` requests run together, one token each per
 `step()` (one encoder pass over their last tokens, each row its own cache); a waiting request starts at the next
-step while there is room. `next_token` and `emit` are the token rule and the commit rule it shares with the
-speculative engine (`speculative.py`), whose output is this one's."""
+step while there is room, from a copy of the longest prefix of its prompt a `PrefixCache` holds if given one (a
+finished request leaves its prompt and answer there: what its cache holds, a copy). `next_token` and `emit` are
+the token rule and the commit rule it shares with the speculative engine (`speculative.py`), whose output is this
+one's."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dgemma.cache import KVCache
+from dgemma.cache import KVCache, PrefixCache
 from dgemma.engine.request import Event, Request
 from dgemma.engine.runner import Runner
 from dgemma.model import DiffusionGemma
@@ -57,9 +59,11 @@ class Row:
 class AutoregressiveEngine(Runner):
     mode = "autoregressive"
 
-    def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], max_batch: int = 1):
+    def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], max_batch: int = 1,
+                 prefix_cache: PrefixCache | None = None):
         super().__init__(model, eos_ids)
         self.max_batch = max(1, max_batch)
+        self.prefix_cache = prefix_cache
         self.rows: list[Row] = []
 
     def held(self) -> list[Request]:
@@ -85,8 +89,16 @@ class AutoregressiveEngine(Runner):
             for row, tokens in zip(self.rows, self._advance(self.rows, events)):
                 emit(row.req, tokens, events)
                 row.token = tokens[-1]
+        self._remember([r for r in self.rows if r.req.finish_reason in ("stop", "length")])
         self.rows = [r for r in self.rows if not r.req.finished]
         return events
+
+    def _remember(self, finished: list[Row]) -> None:
+        """Keep finished requests' prompts and answers in the prefix cache, as far as their caches hold them (all
+        but the last token, or all)."""
+        for r in finished if self.prefix_cache is not None else ():
+            tokens = r.req.prompt + r.req.output
+            self.prefix_cache.store(tokens[:r.cache.length], r.cache, r.req.params.cache_salt)
 
     def _advance(self, rows: list[Row], events: list[Event]) -> list[list[int]]:
         """Cache each row's token in one encoder pass; the token after it, per row."""
@@ -101,9 +113,21 @@ class AutoregressiveEngine(Runner):
         req.stats.t_start = time.perf_counter()
         if req.grammar is not None:
             req.grammar.start_canvas(req.params.max_new_tokens + 1, req.params.max_new_tokens)  # one prefix
-        cache = self.model.new_cache(1, len(req.prompt) + req.params.max_new_tokens + 1)
-        hidden = self.model.prefill(torch.tensor([req.prompt], device=self.model.device), cache)
+        cache, n = self._prompt_cache(req)
+        hidden = self.model.prefill(torch.tensor([req.prompt[n:]], device=self.model.device), cache)
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(req.prompt, cache, req.params.cache_salt)
         req.stats.decoder_passes += 1  # the prompt's last position gives the first token
         token = next_token(req, self.model.head(hidden))
         emit(req, [token], events)
         return Row(req, cache, token)
+
+    def _prompt_cache(self, req: Request) -> tuple[KVCache, int]:
+        """A cache for the prompt: a copy of the longest prefix of it the prefix cache holds (all but its last
+        token at most, whose pass gives the first token) and that prefix's length, or a new one and 0."""
+        if self.prefix_cache is not None:
+            cache, n = self.prefix_cache.lookup(req.prompt[:-1], req.params.cache_salt)
+            if cache is not None:
+                req.stats.cached_tokens = n
+                return cache, n
+        return self.model.new_cache(1, len(req.prompt) + req.params.max_new_tokens + 1), 0

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dgemma.cache import PrefixCache
 from dgemma.engine.autoregressive import AutoregressiveEngine, Row, next_token
 from dgemma.engine.request import Event, Request
 from dgemma.model import DiffusionGemma
@@ -43,8 +44,9 @@ class SpeculativeEngine(AutoregressiveEngine):
     mode = "speculative"
     paced = True  # False: draft at every step (tests of the cycle itself)
 
-    def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], max_batch: int = 1):
-        super().__init__(model, eos_ids, max_batch)
+    def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], max_batch: int = 1,
+                 prefix_cache: PrefixCache | None = None):
+        super().__init__(model, eos_ids, max_batch, prefix_cache)
         self.plain_rate: float | None = None  # ids per second a row gets from plain steps (a running mean)
         self.backoff = 0
 

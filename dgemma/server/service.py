@@ -61,8 +61,7 @@ class Service:
         self.failure: str | None = None
         self.in_use = 0  # admitted choices (running + queued)
         self._tokenizing = asyncio.Semaphore(config.tokenizer_threads)
-        use_prefix = config.prefix_cache_mb and config.mode == "diffusion"
-        self.prefix_cache = PrefixCache(config.prefix_cache_mb << 20) if use_prefix else None
+        self.prefix_cache = PrefixCache(config.prefix_cache_mb << 20) if config.prefix_cache_mb else None
 
     # ---- life cycle -----------------------------------------------------------------------------------------
     def start_loading(self) -> None:
