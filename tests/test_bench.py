@@ -97,6 +97,21 @@ def test_fixed_steps_runs_every_engine_and_ends_with_json(ckpt, capsys):
         "speculative_vs_autoregressive_float32": spec["tokens_per_second"] / ar["tokens_per_second"]})
 
 
+@pytest.mark.parametrize("engine", ["dgemma", "speculative"])
+def test_multi_turn_reuses_each_turns_prompt_and_answer(ckpt, capsys, engine):
+    """`--scenario multi-turn`, diffusion or the one token engine --engines names: every later turn's prompt is
+    the previous prompt, its answer and --turn-tokens new ids, and the prefix cache gives it the previous prompt
+    and answer (all of it but an uncached last canvas or token), with the answers it gets without the cache."""
+    _, rep = _bench(capsys, "--model", str(ckpt), "--scenario", "multi-turn", "--engines", engine, "--turns", "3",
+                    "--turn-tokens", "4", "--steps", "2")  # prompt 3 tokens, answers 7
+    assert rep["mode"] == ("diffusion" if engine == "dgemma" else engine) and rep["identical_outputs"]
+    with_cache, without = rep["per_turn"]["with"], rep["per_turn"]["without"]
+    assert [t["cached_tokens"] for t in without] == [0, 0, 0] and with_cache[0]["cached_tokens"] == 0
+    for before, turn in zip(with_cache, with_cache[1:]):
+        answer = turn["prompt_tokens"] - before["prompt_tokens"] - 4  # 7 tokens: EOS is ignored
+        assert answer == 7 and before["prompt_tokens"] < turn["cached_tokens"] <= before["prompt_tokens"] + answer
+
+
 def test_default_runs_at_the_checkpoints_adaptive_settings(adaptive_ckpt, capsys):
     _, rep = _bench(capsys, "--model", str(adaptive_ckpt), "--engines", "dgemma,autoregressive,reference",
                     "--batch", "1", "--steps", "auto,2")

@@ -1,5 +1,6 @@
 """`dgemma bench --scenario multi-turn`: one chat of --turns turns, with the prefix cache and without: each turn's
-prompt tokens, how many came from the cache, its time to first token, and whether the answers are the same.
+prompt tokens, how many came from the cache, its time to first token, and whether the answers are the same. The
+chat is decoded by diffusion, or by the one engine --engines names (autoregressive or speculative).
 
 Turn 1's prompt is --prompt-len random ids (a long system prompt and first message); every later prompt is the
 previous one, its answer and --turn-tokens new ids, as a chat template renders the history. EOS is ignored, so
@@ -15,18 +16,19 @@ import statistics
 
 import torch
 
-from dgemma.bench.job import FIXED_STEPS_THRESHOLD, log
+from dgemma.bench.job import FIXED_STEPS_THRESHOLD, TOKEN_ENGINES, log
 
 
 def chat(model, prefix_mb: int, args: argparse.Namespace) -> list[dict]:
     """One chat on a fresh engine (and a fresh prefix cache of `prefix_mb` MiB; 0: none)."""
     from dgemma.engine import PrefixCache
 
-    engine = model.runner("diffusion", "fast", 1, PrefixCache(prefix_mb << 20) if prefix_mb else None)
+    mode = chat_mode(args.engines)
+    engine = model.runner(mode, "fast", 1, PrefixCache(prefix_mb << 20) if prefix_mb else None)
     g = torch.Generator().manual_seed(args.seed)
     new_ids = lambda n: torch.randint(3, model.module.cfg.text.vocab_size, (n,), generator=g).tolist()  # noqa: E731
-    steps = {} if args.steps == "auto" else {"max_denoising_steps": int(args.steps),
-                                              "confidence_threshold": FIXED_STEPS_THRESHOLD}
+    steps = {} if args.steps == "auto" or mode != "diffusion" else {
+        "max_denoising_steps": int(args.steps), "confidence_threshold": FIXED_STEPS_THRESHOLD}
     history, turns = new_ids(args.prompt_len), []
     for turn in range(args.turns):
         params = model.params(max_new_tokens=args.max_new_tokens, seed=args.seed + turn, eos_token_ids=(), **steps)
@@ -38,6 +40,12 @@ def chat(model, prefix_mb: int, args: argparse.Namespace) -> list[dict]:
                       "ttft_seconds": round(stats["ttft_seconds"], 4), "output": req.output})
         history = history + req.output + new_ids(args.turn_tokens)
     return turns
+
+
+def chat_mode(engines: str) -> str:
+    """--engines naming autoregressive or speculative alone: that mode; anything else: diffusion."""
+    names = [e for e in engines.split(",") if e]
+    return names[0] if len(names) == 1 and names[0] in TOKEN_ENGINES else "diffusion"
 
 
 def summary(turns: list[dict]) -> dict:
@@ -56,7 +64,7 @@ def run(args: argparse.Namespace, directory) -> int:
         torch.set_num_threads(args.threads)
     dtype = args.dtype.split(",")[0]
     model = dgemma.load(directory, dtype=dtype, device=args.device)
-    log(f"multi-turn: {args.turns} turns on {directory} ({dtype}, {args.device}); warm-up")
+    log(f"multi-turn: {args.turns} turns on {directory} ({dtype}, {args.device}, {chat_mode(args.engines)}); warm-up")
     args_warm = argparse.Namespace(**{**vars(args), "turns": 1, "prompt_len": 8, "max_new_tokens": 1})
     chat(model, 0, args_warm)
     runs = {}
@@ -69,8 +77,8 @@ def run(args: argparse.Namespace, directory) -> int:
             log(f"  {name:8} turn {t['turn']:2}: prompt {t['prompt_tokens']:6}, cached {t['cached_tokens']:6}, "
                 f"ttft {t['ttft_seconds']:.3f} s")
             t.pop("output")
-    report = {"scenario": "multi-turn", "model": str(directory), "dtype": dtype, "device": args.device,
-              "turns": args.turns, "prompt_len": args.prompt_len, "turn_tokens": args.turn_tokens,
+    report = {"scenario": "multi-turn", "mode": chat_mode(args.engines), "model": str(directory), "dtype": dtype,
+              "device": args.device, "turns": args.turns, "prompt_len": args.prompt_len, "turn_tokens": args.turn_tokens,
               "max_new_tokens": args.max_new_tokens, "steps": args.steps, "threads": torch.get_num_threads(),
               "identical_outputs": all(same), "with": summary(runs["with"]), "without": summary(runs["without"]),
               "per_turn": runs}
