@@ -49,7 +49,7 @@ class ServerConfig:
                                          shown="no cap")
     prefix_cache_mb: int = setting(1024, "MiB of KV cache kept from earlier prompts and answers, so a chat's next "
                                    "turn or a shared system prompt is not encoded again (least recently used out "
-                                   "first; outputs are unchanged; diffusion mode; 0: off)", least=0)
+                                   "first; outputs are unchanged; every mode; 0: off)", least=0)
     max_prompt_tokens: int | None = setting(None, "longest prompt in tokens", least=1, shown="the context")
     max_tokens: int | None = setting(None, "largest max_tokens a request may ask", least=1, shown="the context")
     max_n: int = setting(8, "choices per request, n x prompts", least=1)
