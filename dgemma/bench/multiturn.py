@@ -78,8 +78,8 @@ def run(args: argparse.Namespace, directory) -> int:
                 f"ttft {t['ttft_seconds']:.3f} s")
             t.pop("output")
     report = {"scenario": "multi-turn", "mode": chat_mode(args.engines), "model": str(directory), "dtype": dtype,
-              "device": args.device, "turns": args.turns, "prompt_len": args.prompt_len, "turn_tokens": args.turn_tokens,
-              "max_new_tokens": args.max_new_tokens, "steps": args.steps, "threads": torch.get_num_threads(),
+              "device": args.device, "turns": args.turns, "prompt_len": args.prompt_len,
+              "turn_tokens": args.turn_tokens, "max_new_tokens": args.max_new_tokens, "steps": args.steps, "threads": torch.get_num_threads(),
               "identical_outputs": all(same), "with": summary(runs["with"]), "without": summary(runs["without"]),
               "per_turn": runs}
     print(json.dumps(report))
