@@ -122,6 +122,9 @@ class Model:
         self.pad_id = text.pad_token_id
         self.max_context = text.max_position_embeddings
         self.image_limits = images.ImageLimits()  # per-request caps on image inputs (the server sets its own)
+        # kept across generate / stream calls: a prompt that starts with an earlier prompt and answer (a chat's next
+        # turn) continues from a copy of their cache (`dgemma chat` sets one); None: every call encodes its prompt
+        self.prefix_cache: PrefixCache | None = None
 
     # ---- inputs -----------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, max_tokens: int | None = None,
@@ -306,7 +309,7 @@ class Model:
         ids = [self.encode_prompt(p, tools=tools) for p in prompts]
         for x in ids:
             self.check_request(x, params, mode=mode, sampling=sampling)
-        runner = self.runner(mode, sampling, max(1, len(ids)))
+        runner = self.runner(mode, sampling, max(1, len(ids)), self.prefix_cache)
         reqs = {}
         for i, x in enumerate(ids):
             req = runner.add_request(x, params, drafts=drafts)

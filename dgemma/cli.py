@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Iterator
 
 from dgemma.errors import DgemmaError
 from dgemma.image_limits import add_image_options, limits_from_args
@@ -46,17 +47,60 @@ def cmd_generate(args: argparse.Namespace) -> int:
     limits = limits_from_args(args)
     model = load_model_from_args(args)
     model.image_limits = limits
-    options = {"max_new_tokens": args.max_new_tokens, "max_denoising_steps": args.steps, "t_min": args.t_min,
-               "t_max": args.t_max, "entropy_bound": args.entropy_bound, "seed": args.seed,
-               "stop": tuple(args.stop) or None, "ar_temperature": args.ar_temperature,
-               "mode": args.mode, "sampling": args.sampling, "grammar": _grammar(args),
-               **{o.name: getattr(args, o.name) for o in OPT_IN}}
+    options = _decoding(args) | {"grammar": _grammar(args)}
     if args.json:
         print(json.dumps(model.generate(prompt, **options).to_dict()))
         return 0
     events = model.stream(prompt, drafts=args.visual, **options)
     print_stream(events, visual=args.visual, show_ids=model.tokenizer is None)
     return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """A conversation on the terminal: each line a user turn, each answer streamed; the prefix cache keeps the
+    conversation's cache between turns, so a turn encodes only its new message (and what the last answer's cache
+    lacked)."""
+    from dgemma.cache import PrefixCache
+    from dgemma.display import print_stream
+
+    _check_mode_options(args)
+    model = load_model_from_args(args)
+    model.prefix_cache = PrefixCache(args.prefix_cache_mb << 20) if args.prefix_cache_mb else None
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    messages, interactive, options, turn = list(start), sys.stdin.isatty(), _decoding(args), 0
+    if interactive:
+        print("dgemma chat: a line is a turn; /reset forgets the conversation, /exit or Ctrl-D leaves", file=sys.stderr)
+    for line in _lines("> " if interactive else ""):
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            messages = list(start)
+            continue
+        seed = None if args.seed is None else args.seed + turn
+        result = print_stream(model.stream(messages + [{"role": "user", "content": line}], drafts=False,
+                                           **options | {"seed": seed}))
+        messages += [{"role": "user", "content": line}, {"role": "assistant", "content": result.text}]
+        turn += 1
+    return 0
+
+
+def _lines(prompt: str) -> Iterator[str]:
+    """Non-empty input lines, stripped, until end of input."""
+    while True:
+        try:
+            line = input(prompt).strip()
+        except EOFError:
+            return
+        if line:
+            yield line
+
+
+def _decoding(args: argparse.Namespace) -> dict:
+    """The decoding options `_add_decoding_options` adds, as `Model.generate` / `stream` take them."""
+    return {"max_new_tokens": args.max_new_tokens, "max_denoising_steps": args.steps, "t_min": args.t_min,
+            "t_max": args.t_max, "entropy_bound": args.entropy_bound, "seed": args.seed,
+            "stop": tuple(args.stop) or None, "ar_temperature": args.ar_temperature, "mode": args.mode,
+            "sampling": args.sampling, **{o.name: getattr(args, o.name) for o in OPT_IN}}
 
 
 def _check_mode_options(args: argparse.Namespace) -> None:
@@ -109,19 +153,7 @@ def _add_generate(sub) -> None:
                    help="an image the prompt is about (repeatable; implies --chat; needs Pillow and a checkpoint with "
                         "a vision tower; the caps below apply)")
     add_image_options(p)
-    p.add_argument("--max-new-tokens", type=int, help="exact number of tokens at most (default: checkpoint's)")
-    p.add_argument("--steps", type=int, help="maximum denoising steps per canvas")
-    p.add_argument("--t-min", type=float, help="final temperature of the linear schedule")
-    p.add_argument("--t-max", type=float, help="initial temperature of the linear schedule")
-    p.add_argument("--entropy-bound", type=float, help="entropy budget for accepting tokens per step")
-    _add_opt_in_options(p)
-    p.add_argument("--seed", type=int, help="random seed (same seed, same output)")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--sampling", choices=SAMPLINGS, default=SAMPLINGS[0],
-                   help="fast: continuous batching, per-request RNG (default); reference: transformers draw for draw")
-    add_mode_option(p)
-    p.add_argument("--ar-temperature", type=float,
-                   help="autoregressive and speculative modes: sampling temperature (0 = greedy)")
+    _add_decoding_options(p)
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this JSON schema file")
     shape.add_argument("--regex", help="the output matches this regular expression (whole text)")
@@ -130,6 +162,37 @@ def _add_generate(sub) -> None:
     out.add_argument("--json", action="store_true", help="print one JSON object: ids, text, statistics")
     out.add_argument("--visual", action="store_true", help="show the canvas refining in place, then the text")
     p.set_defaults(fn=cmd_generate)
+
+
+def _add_chat(sub) -> None:
+    p = sub.add_parser("chat", help="chat on the terminal",
+                       description="Chat with the model: each input line is a user turn of the chat template, each "
+                                   "answer streams as it is committed; earlier turns are not encoded again (the "
+                                   "prefix cache). Reads lines from a pipe too.")
+    add_model_options(p)
+    p.add_argument("--system", help="a system message before the conversation")
+    p.add_argument("--prefix-cache-mb", type=int, default=1024,
+                   help="MiB of KV cache kept between turns (default 1024; 0: every turn encodes the whole "
+                        "conversation)")
+    _add_decoding_options(p, seed_help="random seed of the first turn; turn i uses seed + i")
+    p.set_defaults(fn=cmd_chat)
+
+
+def _add_decoding_options(p: argparse.ArgumentParser,
+                          seed_help: str = "random seed (same seed, same output)") -> None:
+    p.add_argument("--max-new-tokens", type=int, help="exact number of tokens at most (default: checkpoint's)")
+    p.add_argument("--steps", type=int, help="maximum denoising steps per canvas")
+    p.add_argument("--t-min", type=float, help="final temperature of the linear schedule")
+    p.add_argument("--t-max", type=float, help="initial temperature of the linear schedule")
+    p.add_argument("--entropy-bound", type=float, help="entropy budget for accepting tokens per step")
+    _add_opt_in_options(p)
+    p.add_argument("--seed", type=int, help=seed_help)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--sampling", choices=SAMPLINGS, default=SAMPLINGS[0],
+                   help="fast: continuous batching, per-request RNG (default); reference: transformers draw for draw")
+    add_mode_option(p)
+    p.add_argument("--ar-temperature", type=float,
+                   help="autoregressive and speculative modes: sampling temperature (0 = greedy)")
 
 
 def _add_opt_in_options(p: argparse.ArgumentParser) -> None:
@@ -150,6 +213,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(fn=cmd_info)
     _add_generate(sub)
+    _add_chat(sub)
     wanted = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
     for name, module, help in (("serve", "dgemma.server.command", "serve an OpenAI-compatible HTTP API"),
                                ("train", "dgemma.train.command", "train or fine-tune (full or LoRA)"),

@@ -1,4 +1,4 @@
-"""Terminal output for `dgemma generate`: streamed text, or the canvas refining in place (--visual)."""
+"""Terminal output for `dgemma generate` and `dgemma chat`: streamed text, or the canvas refining in place."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ import shutil
 import sys
 from collections.abc import Iterable
 
-from dgemma.engine import StreamEvent
+from dgemma.engine import Result, StreamEvent
 
 
-def print_stream(events: Iterable[StreamEvent], visual: bool = False, show_ids: bool = False) -> None:
+def print_stream(events: Iterable[StreamEvent], visual: bool = False, show_ids: bool = False) -> Result | None:
     """Committed text as it arrives; with `visual` on a terminal, committed text plus the current canvas,
-    redrawn in place at every denoising step, then the final text."""
+    redrawn in place at every denoising step, then the final text; a statistics line on stderr. Returns the
+    Result."""
     out, err = sys.stdout, sys.stderr
     live = visual and out.isatty()
     drawn, committed, result = 0, "", None
@@ -33,9 +34,11 @@ def print_stream(events: Iterable[StreamEvent], visual: bool = False, show_ids: 
     out.write("\n")
     if result is not None:
         s = result.stats
+        cached = f", {s['cached_tokens']} prompt tokens from the prefix cache" if s.get("cached_tokens") else ""
         err.write(f"[{len(result.token_ids)} tokens, {s['seconds']:.2f} s, {s['tokens_per_second']:.1f} tok/s, "
-                  f"steps per canvas {s['steps_per_canvas']}, {s['tokens_per_forward']:.2f} tokens/forward, "
-                  f"finish: {result.finish_reason}]\n")
+                  f"steps per canvas {s['steps_per_canvas']}, {s['tokens_per_forward']:.2f} tokens/forward"
+                  f"{cached}, finish: {result.finish_reason}]\n")
+    return result
 
 
 def _redraw(out, text: str, drawn: int) -> int:
