@@ -65,11 +65,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     _check_mode_options(args)
     model = load_model_from_args(args)
+    if model.tokenizer is None:
+        raise DgemmaError(f"{model.directory}: dgemma chat needs a checkpoint with a tokenizer (tokenizer.json)")
     model.prefix_cache = PrefixCache(args.prefix_cache_mb << 20) if args.prefix_cache_mb else None
     start = [{"role": "system", "content": args.system}] if args.system else []
     messages, interactive, options, turn = list(start), sys.stdin.isatty(), _decoding(args), 0
     if interactive:
-        print("dgemma chat: a line is a turn; /reset forgets the conversation, /exit or Ctrl-D leaves", file=sys.stderr)
+        print("dgemma chat: a line is a turn; /reset forgets the conversation, /exit or Ctrl-D leaves, Ctrl-C stops "
+              "an answer", file=sys.stderr)
     for line in _lines("> " if interactive else ""):
         if line in ("/exit", "/quit"):
             break
@@ -77,10 +80,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
             messages = list(start)
             continue
         seed = None if args.seed is None else args.seed + turn
-        result = print_stream(model.stream(messages + [{"role": "user", "content": line}], drafts=False,
-                                           **options | {"seed": seed}))
-        messages += [{"role": "user", "content": line}, {"role": "assistant", "content": result.text}]
         turn += 1
+        try:
+            result = print_stream(model.stream(messages + [{"role": "user", "content": line}], drafts=False,
+                                               **options | {"seed": seed}))
+        except KeyboardInterrupt:  # the answer stops; the conversation goes on without this turn
+            print("\n[stopped]", file=sys.stderr)
+            continue
+        messages += [{"role": "user", "content": line}, {"role": "assistant", "content": result.text}]
     return 0
 
 

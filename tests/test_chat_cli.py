@@ -1,6 +1,6 @@
 """`dgemma chat` on the bundled model: each input line is a user turn of one conversation, answered as
 `Model.generate` answers that conversation without a prefix cache (float32, seed + i for turn i); later turns
-continue from the cached earlier ones; /reset and /exit."""
+continue from the cached earlier ones; /reset, /exit, and Ctrl-C during an answer."""
 
 import io
 import re
@@ -47,3 +47,31 @@ def test_diffusion_options_are_refused_in_another_mode(monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
     assert main(["chat", "--mode", "autoregressive", "--steps", "4"]) == 2
     assert "--steps applies to diffusion decoding" in capsys.readouterr().err
+
+
+def test_ctrl_c_stops_an_answer_and_the_conversation_goes_on_without_that_turn(demo, monkeypatch, capsys):
+    import dgemma.display
+
+    real, calls = dgemma.display.print_stream, []
+
+    def interrupted_once(events, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            next(iter(events))  # the answer has begun
+            raise KeyboardInterrupt
+        return real(events, **kw)
+
+    monkeypatch.setattr(dgemma.display, "print_stream", interrupted_once)
+    out, stats = _chat(monkeypatch, capsys, "Hello there\nWhat is your name?\n")
+    second = [{"role": "user", "content": "What is your name?"}]
+    assert out == demo.generate(second, seed=2, max_new_tokens=24).text + "\n"
+    assert len(stats) == 2 and stats[0] == "[stopped]" and "tokens" in stats[1]
+
+
+def test_a_checkpoint_without_a_tokenizer_is_refused_before_reading(tmp_path, monkeypatch, capsys):
+    from reference import build_reference
+
+    build_reference("a", tmp_path)
+    monkeypatch.setattr("sys.stdin", io.StringIO("never read\n"))
+    assert main(["chat", "--model", str(tmp_path)]) == 2
+    assert "needs a checkpoint with a tokenizer" in capsys.readouterr().err
