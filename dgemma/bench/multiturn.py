@@ -63,8 +63,8 @@ def run(args: argparse.Namespace, directory) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = args.dtype.split(",")[0]
-    model = dgemma.load(directory, dtype=dtype, device=args.device)
-    log(f"multi-turn: {args.turns} turns on {directory} ({dtype}, {args.device}, {chat_mode(args.engines)}); warm-up")
+    model, mode = dgemma.load(directory, dtype=dtype, device=args.device), chat_mode(args.engines)
+    log(f"multi-turn: {args.turns} turns on {directory} ({dtype}, {args.device}, {mode}); warm-up")
     args_warm = argparse.Namespace(**{**vars(args), "turns": 1, "prompt_len": 8, "max_new_tokens": 1})
     chat(model, 0, args_warm)
     runs = {}
@@ -77,9 +77,9 @@ def run(args: argparse.Namespace, directory) -> int:
             log(f"  {name:8} turn {t['turn']:2}: prompt {t['prompt_tokens']:6}, cached {t['cached_tokens']:6}, "
                 f"ttft {t['ttft_seconds']:.3f} s")
             t.pop("output")
-    report = {"scenario": "multi-turn", "mode": chat_mode(args.engines), "model": str(directory), "dtype": dtype,
-              "device": args.device, "turns": args.turns, "prompt_len": args.prompt_len,
-              "turn_tokens": args.turn_tokens, "max_new_tokens": args.max_new_tokens, "steps": args.steps, "threads": torch.get_num_threads(),
+    report = {"scenario": "multi-turn", "mode": mode, "model": str(directory), "dtype": dtype, "device": args.device,
+              "turns": args.turns, "prompt_len": args.prompt_len, "turn_tokens": args.turn_tokens,
+              "max_new_tokens": args.max_new_tokens, "steps": args.steps, "threads": torch.get_num_threads(),
               "identical_outputs": all(same), "with": summary(runs["with"]), "without": summary(runs["without"]),
               "per_turn": runs}
     print(json.dumps(report))

@@ -96,7 +96,9 @@ class AutoregressiveEngine(Runner):
     def _remember(self, finished: list[Row]) -> None:
         """Keep finished requests' prompts and answers in the prefix cache, as far as their caches hold them (all
         but the last token, or all)."""
-        for r in finished if self.prefix_cache is not None else ():
+        if self.prefix_cache is None:
+            return
+        for r in finished:
             tokens = r.req.prompt + r.req.output
             self.prefix_cache.store(tokens[:r.cache.length], r.cache, r.req.params.cache_salt)
 
