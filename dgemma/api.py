@@ -128,11 +128,11 @@ class Model:
 
     # ---- inputs -----------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, max_tokens: int | None = None,
-                      tools: ToolUse | list[dict[str, Any]] | None = None) -> list[int]:
+                      tools: ToolUse | list[dict[str, Any]] | None = None, partition: str | None = None) -> list[int]:
         """Text, chat messages (rendered with `tools`: OpenAI tool objects or a chat.tools.ToolUse) or ids -> ids.
         With `max_tokens`, a prompt that cannot fit in that many tokens (more characters than that many of the
         longest token hold, x CHAR_MARGIN) is refused before any tokenizing, so its cost is bounded by the limit,
-        not by its length."""
+        not by its length. `partition`: whose prompt this is (an API key, a cache salt): images are cached apart."""
         if isinstance(prompt, (str, list)) and not prompt:
             self.check_ids([])  # refused there: an empty text would still tokenize to a BOS
         chat = _is_chat(prompt)
@@ -144,7 +144,7 @@ class Model:
         if isinstance(prompt, str):
             ids = self._require_tokenizer().encode(prompt)
         elif images.has_parts(prompt):  # checks its text ids itself: image soft tokens lie past the vocabulary
-            return images.prompt_ids(self, prompt, tools.declared, self.image_limits)
+            return images.prompt_ids(self, prompt, tools.declared, self.image_limits, partition)
         elif chat:
             ids = self._require_tokenizer().encode_chat(prompt, tools.declared)
         elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -234,11 +234,11 @@ class Model:
         if not isinstance(text, str) or not text:
             raise SamplingParamsError(f"{param} must be a non-empty string", param)
         self._check_length(text, None, param)
-        return self._require_tokenizer().encode(text, add_bos=False)
+        return self._require_tokenizer().encode_text(text).ids  # a control token's spelling stays text
 
     def _text_offsets(self, text: str, limit: int) -> tuple[list[int], list[tuple[int, int]]]:
         self._check_length(text, limit, "edit")
-        enc = self._require_tokenizer().tok.encode_batch([text], add_special_tokens=False)[0]  # GIL released
+        enc = self._require_tokenizer().encode_text(text)  # GIL released; a control token's spelling stays text
         return enc.ids, enc.offsets
 
     def check_request(self, ids: list[int], params: SamplingParams, limits: Limits = Limits(),

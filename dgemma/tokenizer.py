@@ -6,6 +6,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
+from dgemma.chat.spans import caller_spans
 from dgemma.errors import CheckpointError, DgemmaError
 from dgemma.jsonfile import read_json  # noqa: F401 (also imported from here)
 
@@ -94,36 +95,59 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The rendered chat's ids. Control tokens come from the template only: text in a message that spells one
         (`<start_of_turn>`, `<eos>`) stays text, as OpenAI's API keeps it, so content cannot close its turn."""
-        text = self.apply_chat_template(messages, tools=tools)
-        enc = self.tok.encode_batch([text], add_special_tokens=False)[0]
-        hits = [(a, b) for t, (a, b) in zip(enc.ids, enc.offsets) if t in self._special_ids]
-        if not hits:
-            return enc.ids
-        spans = self._content_spans(text, [m.get("content") for m in messages], hits)
-        if not spans:
-            return enc.ids
-        ids, at = [], 0
-        for a, b in spans:  # the template's text with its control tokens, then the content as plain text
-            ids += self._encode_plain(text[at:a], self.tok) + self._encode_plain(text[a:b], self._text_only)
-            at = b
-        return ids + self._encode_plain(text[at:], self.tok)
+        return self.encode_chat_pieces(messages, tools)[0]
 
-    def _content_spans(self, text: str, contents: list[Any], hits: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Where the messages' contents are in the rendered text (in order), for those that hold a control
-        token's text; a content the template changed so that it cannot be found, holding one: refused."""
-        spans, at = [], 0
-        for content in (c for c in contents if isinstance(c, str) and c.strip()):
-            a = text.find(content, at)
-            a, n = (a, len(content)) if a >= 0 else (text.find(content.strip(), at), len(content.strip()))
-            if a < 0:
-                if any(control in content for control in {text[x:y] for x, y in hits}):
-                    raise DgemmaError("a message holds a control token's text where the chat template changes "
-                                      "it, so it cannot be kept as text; remove it")
-                continue
-            if any(a <= x and y <= a + n for x, y in hits):
-                spans.append((a, a + n))
-            at = a + n
-        return spans
+    def encode_chat_pieces(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                           cut: str | None = None) -> list[list[int]]:
+        """The rendered chat's ids in pieces, cut at each `cut` in it (an image's place), control tokens from the
+        template only. A chat whose strings make no control token encodes as its whole text, as before."""
+        text = self.apply_chat_template(messages, tools=tools)
+        pieces, hits = self._encode_cut(text, cut)
+        spans = self._caller_spans(text, messages, tools) if hits else []
+        forged = [(a, b) for a, b in spans if any(a < y and x < b for x, y in hits)]  # also a token across an edge
+        return self._encode_spans(text, forged, cut) if forged else pieces
+
+    def encode_text(self, text: str):
+        """`text` as plain text, a control token's spelling included: its `tokenizers.Encoding` (ids, offsets)."""
+        return self._text_only.encode_batch([text], add_special_tokens=False)[0]
+
+    def _encode_cut(self, text: str, cut: str | None) -> tuple[list[list[int]], list[tuple[int, int]]]:
+        """The ids of `text`'s pieces between the `cut`s, and where in `text` they hold control tokens."""
+        pieces = _cut(text, cut)
+        hits, at = [], 0
+        encodings = self.tok.encode_batch(pieces, add_special_tokens=False)
+        for piece, enc in zip(pieces, encodings):
+            hits += [(at + a, at + b) for t, (a, b) in zip(enc.ids, enc.offsets) if t in self._special_ids]
+            at += len(piece) + len(cut or "")
+        return [enc.ids for enc in encodings], hits
+
+    def _caller_spans(self, text: str, messages: Any, tools: Any) -> list[tuple[int, int]]:
+        """Where the caller's strings lie in `text`: all of them when the template writes them as they are
+        (trimmed at most), else those that would make a control token; such a one that the template changes
+        cannot be kept as text: refused."""
+        for every in (True, False):
+            spans = caller_spans(self.apply_chat_template, text, messages, tools, self._forging, every)
+            if spans is not None:
+                return spans
+        raise DgemmaError("a message holds a control token's text where the chat template changes it, so it "
+                          "cannot be kept as text; remove it")
+
+    def _forging(self, text: str) -> bool:
+        """Whether `text` holds a control token's spelling (found as the tokenizer finds it: O(length))."""
+        return not self._special_ids.isdisjoint(self._encode_plain(text, self.tok))
+
+    def _encode_spans(self, text: str, spans: list[tuple[int, int]], cut: str | None) -> list[list[int]]:
+        """`text` in pieces cut at each `cut`: the template's text with its control tokens, `spans` as text."""
+        pieces, ids, at = [], [], 0
+        for a, b in [*spans, (len(text), len(text))]:
+            for tok, part in ((self.tok, text[at:a]), (self._text_only, text[a:b])):
+                for k, piece in enumerate(_cut(part, cut)):
+                    if k:  # an image's place
+                        pieces.append(ids)
+                        ids = []
+                    ids += self._encode_plain(piece, tok)
+            at = b
+        return [*pieces, ids]
 
     @staticmethod
     def _encode_plain(text: str, tok) -> list[int]:
@@ -174,6 +198,10 @@ def _raise(message: str):
     from jinja2 import TemplateError
 
     raise TemplateError(message)
+
+
+def _cut(text: str, cut: str | None) -> list[str]:
+    return text.split(cut) if cut else [text]
 
 
 def _token_text(value: Any) -> str | None:

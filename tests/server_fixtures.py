@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import threading
 import time
 from pathlib import Path
@@ -166,6 +167,28 @@ def streamed_tool_calls(client, **kwargs):
             deltas += c.delta.tool_calls or []
             reasons.append(c.finish_reason)
     return deltas, reasons[-1], whole
+
+
+def raw_exchange(server: LiveServer, data: bytes, wait: float = 5.0) -> bytes:
+    """Send `data` on a fresh connection and read until the server closes it (or `wait` passes: the bytes read,
+    then b"<still open>")."""
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.settimeout(wait)
+        if data:
+            sock.sendall(data)
+        out = b""
+        try:
+            while chunk := sock.recv(65536):
+                out += chunk
+        except TimeoutError:
+            out += b"<still open>"
+        return out
+
+
+def error_of(response: bytes) -> tuple[int, dict]:
+    """(status, the OpenAI error object) of one raw HTTP response."""
+    head, _, body = response.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)["error"]
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.02) -> bool:

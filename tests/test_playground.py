@@ -143,7 +143,7 @@ def test_completion_tab_and_replay(server, page):
 
 def test_stop_aborts_the_request_on_the_server(server, page):
     _open(page, server.url)
-    aborted = server.service.metrics.finished.values["abort"]
+    aborted = server.service.metrics.total.finished.values["abort"]
     page.fill("#max-tokens", "20000")
     page.fill("#prompt", "Tell me a very long story.")
     page.click("#send")
@@ -153,7 +153,7 @@ def test_stop_aborts_the_request_on_the_server(server, page):
     page.keyboard.press("Escape")
     page.wait_for_selector("body[data-state=stopped]", timeout=WAIT_MS)
     assert wait_until(lambda: server.service.in_use == 0 and server.service.worker.running == 0, 10)
-    assert server.service.metrics.finished.values["abort"] == aborted + 1  # ended by the Stop, not by length
+    assert server.service.metrics.total.finished.values["abort"] == aborted + 1  # ended by the Stop, not by length
     assert "stopped" in page.text_content("#history li.assistant")
     assert page.problems == []
 

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from server_fixtures import served_checkpoint, start_server, wait_until
+from server_fixtures import error_of, raw_exchange, served_checkpoint, start_server, wait_until
 
 C = "/v1/completions"
 
@@ -26,26 +26,6 @@ def server(checkpoint):
                      tokenizer_threads=1)
     yield s
     s.stop()
-
-
-def _raw(server, data: bytes, wait: float = 5.0) -> bytes:
-    """Send `data` on a fresh connection and read until the server closes it (or `wait` passes)."""
-    with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.settimeout(wait)
-        if data:
-            sock.sendall(data)
-        out = b""
-        try:
-            while chunk := sock.recv(65536):
-                out += chunk
-        except TimeoutError:
-            out += b"<still open>"
-        return out
-
-
-def _error(response: bytes) -> tuple[int, dict]:
-    head, _, body = response.partition(b"\r\n\r\n")
-    return int(head.split()[1]), json.loads(body)["error"]
 
 
 def test_a_huge_prompt_is_refused_before_tokenizing(server, monkeypatch):
@@ -99,13 +79,13 @@ def test_prompt_alone_over_the_context_names_the_prompt(server):
 
 def test_slow_and_silent_connections_are_dropped(server):
     t0 = time.monotonic()
-    status, error = _error(_raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"))
+    status, error = error_of(raw_exchange(server, b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"))
     assert status == 408 and error["code"] == "request_timeout" and "header" in error["message"]
     assert time.monotonic() - t0 < 3
     head = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-    status, error = _error(_raw(server, head + b"Content-Length: 100\r\n\r\n{\"prompt\""))
+    status, error = error_of(raw_exchange(server, head + b"Content-Length: 100\r\n\r\n{\"prompt\""))
     assert status == 408 and "body" in error["message"]
-    assert _raw(server, b"") == b""  # silent: closed without a word after the header timeout
+    assert raw_exchange(server, b"") == b""  # silent: closed without a word after the header timeout
     with httpx.Client() as client:  # an idle keep-alive connection goes after --keep-alive-timeout
         assert client.get(server.url + "/health").status_code == 200
         assert wait_until(lambda: len(server.server.server_state.connections) == 0, 3)
@@ -113,7 +93,7 @@ def test_slow_and_silent_connections_are_dropped(server):
 
 
 def test_invalid_http_gets_an_error_object(server):
-    status, error = _error(_raw(server, b"GARBAGE\r\n\r\n"))
+    status, error = error_of(raw_exchange(server, b"GARBAGE\r\n\r\n"))
     assert status == 400 and error["code"] == "invalid_http" and error["type"] == "invalid_request_error"
 
 
@@ -121,7 +101,7 @@ def test_connections_over_the_cap_are_refused(server):
     socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(6)]
     try:
         assert wait_until(lambda: len(server.server.server_state.connections) >= 6, 3)
-        status, error = _error(_raw(server, b""))  # answered as soon as it connects
+        status, error = error_of(raw_exchange(server, b""))  # answered as soon as it connects
         assert status == 503 and error["code"] == "too_many_connections"
     finally:
         for s in socks:
@@ -208,7 +188,7 @@ def test_a_pipelined_request_is_not_cut_by_the_header_timeout(server, monkeypatc
     body = json.dumps({"prompt": "hello", "max_tokens": 1}).encode()
     post = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-    out = _raw(server, b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n" + post, wait=10)
+    out = raw_exchange(server, b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n" + post, wait=10)
     assert out.count(b"HTTP/1.1 200") == 2 and b"request_timeout" not in out, out
 
 

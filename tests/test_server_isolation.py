@@ -15,13 +15,13 @@ SECRET = "The secret code is 4 7 1 9 and nobody else may know it. " * 3
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
-    s = start_server(served_checkpoint(tmp_path_factory), api_keys=("alice", "bob"))
+    s = start_server(served_checkpoint(tmp_path_factory), api_keys=("alice", "bob"), metrics_key="ops")
     yield s
     s.stop()
 
 
 def _reused(server) -> float:
-    text = httpx.get(server.url + "/metrics", headers={"authorization": "Bearer alice"}).text
+    text = httpx.get(server.url + "/metrics", headers={"authorization": "Bearer ops"}).text  # the operator
     return float(re.search(r"^dgemma_prefix_cache_tokens_reused_total (\S+)$", text, re.M).group(1))
 
 

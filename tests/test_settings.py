@@ -17,6 +17,7 @@ FLAGS = {
     "host": (["--host", "localhost"], "localhost"),
     "port": (["--port", "0"], 0),
     "api_keys": (["--api-key", "k1", "--api-key", "k2"], ("k1", "k2")),
+    "metrics_key": (["--metrics-key", "ops"], "ops"),
     "max_concurrency": (["--max-concurrency", "3"], 3),
     "max_queue": (["--max-queue", "0"], 0),
     "max_cache_mb": (["--max-cache-mb", "2.5"], 2.5),
@@ -35,6 +36,7 @@ FLAGS = {
     "keep_alive_timeout": (["--keep-alive-timeout", "4"], 4.0),
     "max_connections": (["--max-connections", "5"], 5),
     "tokenizer_threads": (["--tokenizer-threads", "1"], 1),
+    "image_threads": (["--image-threads", "3"], 3),
     "max_denoising_steps": (["--max-denoising-steps", "6"], 6),
     "max_temperature": (["--max-temperature", "1.5"], 1.5),
     "max_token_steps": (["--max-token-steps", "99"], 99),
@@ -56,9 +58,10 @@ def _parse(argv):
 
 
 def test_every_setting_has_a_flag_that_reaches_the_config(monkeypatch):
-    from dgemma.server.config import KEY_ENV, ServerConfig
+    from dgemma.server.config import KEY_ENV, METRICS_KEY_ENV, ServerConfig
 
     monkeypatch.delenv(KEY_ENV, raising=False)
+    monkeypatch.delenv(METRICS_KEY_ENV, raising=False)
     names = {f.name for f in dataclasses.fields(ServerConfig)} - {"images"}
     assert names == set(FLAGS)  # a new setting needs its flag here (and a declaration to pass)
     argv = [arg for args, _ in FLAGS.values() for arg in args]

@@ -107,7 +107,7 @@ def reference(model, pics, ids, canvas, generate_masks=True):
 
 def spliced(model, pics, ids):
     """The prompt ids with each image's soft-token ids (dgemma's) in place of its placeholders."""
-    queue = [model.image_ids(hashlib.sha256(p.numpy().tobytes() + q.numpy().tobytes()).hexdigest(), p, q)
+    queue = [model.image_ids(hashlib.sha256(p.numpy().tobytes() + q.numpy().tobytes()).hexdigest(), p, q)[0]
              for p, q in pics]
     full, i = [], 0
     while i < len(ids):

@@ -121,7 +121,7 @@ def test_bad_input_is_refused_before_the_tower_runs(demo, tmp_path, monkeypatch)
     monkeypatch.setattr(demo, "image_limits", ImageLimits(max_images=2, max_bytes=10_000))
     cases = [
         (chat(*[picture(10, 10)] * 3), "3 images; at most 2"),
-        (chat(b"\x89PNG not really"), "cannot be decoded"),
+        (chat(b"\x89PNG not really"), "not a PNG, JPEG, GIF or WebP"),
         (chat("data:image/png;base64," + "A" * 20_000), "larger than 10000 bytes"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}],
          "not fetched"),

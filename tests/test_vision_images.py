@@ -58,7 +58,7 @@ def test_sources_path_bytes_data_url(tmp_path):
 
 
 @pytest.mark.parametrize("source,limits,message", [
-    (b"not an image", ImageLimits(), "cannot be decoded"),
+    (b"not an image", ImageLimits(), "not a PNG, JPEG, GIF or WebP"),
     ("data:image/png;base64,@@@", ImageLimits(), "not valid base64"),
     ("data:text/plain;base64,aGk=", ImageLimits(), "data:image/"),
     ("https://example.com/a.png", ImageLimits(), "not fetched"),

@@ -62,7 +62,13 @@ def test_openai_client_sends_a_base64_image(client):
 @pytest.mark.parametrize("messages,message", [
     (user(image("https://example.com/cat.png"), TEXT), "not fetched by this server"),
     (user(image("data:image/png;base64,%%%"), TEXT), "not valid base64"),
-    (user(image(url(b"not a png")), TEXT), "cannot be decoded"),
+    (user(image(url(b"not a png")), TEXT), "not a PNG, JPEG, GIF or WebP"),
+    (user(image("HTTP://example.com/cat.png"), TEXT), "not fetched by this server"),
+    # a path on the server's disk, however spelled: one answer that says nothing of the file (issue 39)
+    (user(image("/etc/passwd"), TEXT), "400 - an image is a data:image/...;base64,... URL"),
+    (user(image("file:///etc/hostname"), TEXT), "400 - an image is a data:image/...;base64,... URL"),
+    (user(image("FILE:///dev/zero"), TEXT), "400 - an image is a data:image/...;base64,... URL"),
+    (user(image(url(b"BM" + bytes(64))), TEXT), "not a PNG, JPEG, GIF or WebP"),
     (user(*[image(url(png()))] * 3, TEXT), "3 images; at most 2"),
     ([{"role": "system", "content": [image(url(png()))]}, {"role": "user", "content": "hi"}], "user messages"),
 ])

@@ -67,6 +67,7 @@ class Request:
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stats: Stats = field(default_factory=Stats)
+    image_features: tuple[torch.Tensor, ...] = ()  # its prompt's images' features, kept until the prompt is encoded
     grammar: RowGrammar | None = None  # the request's grammar state, when its params carry a grammar
     seeded: SeedState | None = None  # its progress through a seeded layout (fixed tokens and holes)
     canvas_logprobs: list[Entry] | None = None  # this canvas's, when params.logprobs is set (sampling/logprobs.py)

@@ -37,7 +37,9 @@ class Runner:
         eos = tuple(params.eos_token_ids if params.eos_token_ids is not None else self.eos_ids)
         params.check_decoding(self.mode, self.sampling, eos, self.grammar_vocab is not None)
         generator = make_generator(params.seed, self.model.device) if own_generator else None
-        req = Request(request_id or f"req-{next(_ids)}", list(prompt), params, eos, drafts, generator)
+        self.model.soft_tokens.check(prompt)  # an image's features held by the prompt, or still cached
+        req = Request(request_id or f"req-{next(_ids)}", list(prompt), params, eos, drafts, generator,
+                      image_features=getattr(prompt, "held", ()))
         for f in self.features:
             f.attach(req, self)
         return req

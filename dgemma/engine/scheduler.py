@@ -67,6 +67,8 @@ class Scheduler:
             self.prefilled(group, hidden)
             caches.update((r.id, cache.extract(i, pad, cache.length)) for i, (r, pad) in enumerate(zip(group, pads)))
         joined = [r for r in rows if r.id not in long] + self._prefill_chunks(caches)
+        for r in joined:
+            r.image_features = ()  # the prompt is in its cache: its images' features may go
         if self.prefix_cache is not None:
             for r in joined:
                 self.prefix_cache.store(r.prompt, caches[r.id], r.params.cache_salt)

@@ -118,9 +118,10 @@ class DiffusionGemma(nn.Module):
         return rows * torch.tensor(self.embed_scale, dtype=w.dtype, device=w.device)
 
     @torch.no_grad()
-    def image_ids(self, key: str, patches: torch.Tensor, positions: torch.Tensor) -> list[int]:
-        """The prompt ids of one image's soft tokens (patches [P, 3 * patch^2] at positions [P, 2], the same
-        image `key` giving the same ids while its features are kept); the vision tower runs on first sight."""
+    def image_ids(self, key: str, patches: torch.Tensor, positions: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """The prompt ids of one image's soft tokens and its features (patches [P, 3 * patch^2] at positions
+        [P, 2], the same image `key` giving the same ids while its features are kept); the vision tower runs on
+        first sight."""
         if self.vision is None:
             raise DgemmaError("this checkpoint has no vision tower: it takes text prompts only")
         return self.soft_tokens.ids(key, lambda: self.vision(patches.to(self.device), positions.to(self.device)))

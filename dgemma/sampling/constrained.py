@@ -6,6 +6,9 @@ refused (the frontier) and where a canvas ends before its prefix is complete."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
 
@@ -14,6 +17,7 @@ from dgemma.sampling.constraints import RowGrammar
 from dgemma.sampling.samplers import StepOutput, random_tokens
 
 Rows = list[RowGrammar | None]
+Failed = Callable[[int, BaseException], None] | None  # told of a row whose own work raised
 
 
 def masked_token(logits: Tensor, allowed: Tensor, inv_temp: float | None, generator: torch.Generator | None) -> int:
@@ -33,22 +37,23 @@ def start_canvas(grammars: Rows, budgets: list[int], canvas_length: int) -> None
 
 
 def constrain_step(grammars: Rows, out: StepOutput, hidden: Tensor, head: Head, inv_temp: Tensor,
-                   generators: list[torch.Generator], done: list[bool]) -> StepOutput:
+                   generators: list[torch.Generator], done: list[bool], fail: Failed = None) -> StepOutput:
     """Apply the rule to one step's output (in place) for the live constrained rows: the frontier from masked
-    logits, then the run of accepted samples the grammar allows; the rest renoised. hidden [B, C, H]."""
+    logits, then the run of accepted samples the grammar allows; the rest renoised. hidden [B, C, H]. A row whose
+    grammar raises is handed to `fail` (else the error propagates) and left out; the others go on."""
     rows = [i for i, g in enumerate(grammars) if g is not None and not done[i] and not g.complete]
     if not rows:
         return out
     index = torch.tensor(rows, device=out.canvas.device)
     samples, accepted, temps = out.canvas[index].tolist(), out.accepted[index].tolist(), inv_temp[index].tolist()
+    failed = set()
     for j, i in enumerate(rows):
-        g, p = grammars[i], len(grammars[i].locked)
-        if not (accepted[j][p] and g.extend([samples[j][p]])):
-            draw = masked_token(head.logits(hidden[i, p:p + 1])[0], g.allowed(), temps[j], generators[i])
-            if not g.extend([draw]):
-                g.give_up()  # the budget refused the draw: the token it reserves
-        run = next((k for k, a in enumerate(accepted[j][p + 1:]) if not a), len(accepted[j]) - p - 1)
-        g.extend(samples[j][p + 1:p + 1 + run])
+        with _own(i, fail, failed):
+            _constrain_row(grammars[i], samples[j], accepted[j], hidden[i], head, temps[j], generators[i])
+    rows = [i for i in rows if i not in failed]
+    if not rows:
+        return out
+    index = torch.tensor(rows, device=out.canvas.device)
     noise = torch.stack([random_tokens(out.canvas.shape[1:], head.vocab_size, out.canvas.device,
                                        generators[i]) for i in rows])
     prefix, inside = _prefixes([grammars[i] for i in rows], out.canvas.shape[1], out.canvas.device)
@@ -58,26 +63,56 @@ def constrain_step(grammars: Rows, out: StepOutput, hidden: Tensor, head: Head, 
     return out
 
 
-def complete_rows(grammars: Rows, argmax: Tensor, hidden: Tensor, head: Head, ending: list[bool]) -> list[int]:
+def _constrain_row(g: RowGrammar, samples: list[int], accepted: list[bool], hidden: Tensor, head: Head,
+                   inv_temp: float, generator: torch.Generator) -> None:
+    """One row's frontier and accepted run (hidden [C, H])."""
+    p = len(g.locked)
+    if not (accepted[p] and g.extend([samples[p]])):
+        draw = masked_token(head.logits(hidden[p:p + 1])[0], g.allowed(), inv_temp, generator)
+        if not g.extend([draw]):
+            g.give_up()  # the budget refused the draw: the token it reserves
+    run = next((k for k, a in enumerate(accepted[p + 1:]) if not a), len(accepted) - p - 1)
+    g.extend(samples[p + 1:p + 1 + run])
+
+
+def complete_rows(grammars: Rows, argmax: Tensor, hidden: Tensor, head: Head, ending: list[bool],
+                  fail: Failed = None) -> list[int]:
     """Rows whose grammar prefix is complete, after completing greedily those whose canvas ends now
     (`ending`: done or out of steps); their locked prefix is written into `argmax` [B, C], the canvas that
-    commits. Returns the complete rows (the engine marks them done)."""
-    complete = []
+    commits. Returns the complete rows (the engine marks them done); a row whose grammar raises goes to `fail`."""
+    complete, failed = [], set()
     for i, g in enumerate(grammars):
         if g is None or g.written or not (g.complete or ending[i]):
             continue
-        draft, start = argmax[i].tolist(), len(g.locked)
-        logits = head.logits(hidden[i, start:g.limit]) if not g.complete else None  # one GEMM for the rest
-        while not g.complete:
-            p = len(g.locked)
-            if not (g.extend([draft[p]]) or
-                    g.extend([masked_token(logits[p - start], g.allowed(), None, None)])):
-                g.give_up()
-        g.written = True
-        prefix, inside = _prefixes([g], argmax.shape[1], argmax.device)
-        argmax[i] = torch.where(inside[0], prefix[0], argmax[i])
-        complete.append(i)
+        with _own(i, fail, failed):
+            _complete_row(g, argmax, hidden[i], head, i)
+            complete.append(i)
     return complete
+
+
+def _complete_row(g: RowGrammar, argmax: Tensor, hidden: Tensor, head: Head, i: int) -> None:
+    draft, start = argmax[i].tolist(), len(g.locked)
+    logits = head.logits(hidden[start:g.limit]) if not g.complete else None  # one GEMM for the rest
+    while not g.complete:
+        p = len(g.locked)
+        if not (g.extend([draft[p]]) or
+                g.extend([masked_token(logits[p - start], g.allowed(), None, None)])):
+            g.give_up()
+    g.written = True
+    prefix, inside = _prefixes([g], argmax.shape[1], argmax.device)
+    argmax[i] = torch.where(inside[0], prefix[0], argmax[i])
+
+
+@contextmanager
+def _own(i: int, fail: Failed, failed: set[int]):
+    """Row i's work: an error in it is row i's (`fail(i, error)`), unless there is no one to tell."""
+    try:
+        yield
+    except Exception as e:
+        if fail is None:
+            raise
+        failed.add(i)
+        fail(i, e)
 
 
 def _prefixes(grammars: list[RowGrammar], width: int, device) -> tuple[Tensor, Tensor]:

@@ -1,6 +1,6 @@
 """Routes and SSE: GET /v1/models, POST /v1/completions and /v1/chat/completions (JSON or an event stream),
-GET /health, GET /metrics. Routes stay thin: checks and engine glue live in service.py, wire shapes in
-protocol.py, keys / Host / body limits in security.py."""
+GET /health, GET /metrics (all of it for the metrics key, its own series for an API key). Routes stay thin: checks
+and engine glue live in service.py, wire shapes in protocol.py, keys / Host / body limits in security.py."""
 
 from __future__ import annotations
 
@@ -77,6 +77,7 @@ def create_app(config: ServerConfig, loader: Callable[[], Model],
         return JSONResponse(_openapi(app))
 
     app.include_router(api)
+    _metrics_route(app, service, keys)
     playground.install(app)
 
     @app.get("/health", response_model=None, responses=_responses(Health, 503))
@@ -152,32 +153,53 @@ def _routes(api: APIRouter, service: Service) -> None:
             raise errors.bad_request(str(e), e.param) from None
         return await _respond(service, body, [messages], "messages", request, chat=True)
 
-    _metrics_route(api, service)
+
+def _metrics_route(app: FastAPI, service: Service, keys: security.ApiKeys) -> None:
+    config = service.config
+    operator = security.ApiKeys((config.metrics_key,) if config.metrics_key else ())
+
+    @app.get("/metrics", response_class=PlainTextResponse, responses=_responses(None, 401))
+    async def metrics(request: Request) -> PlainTextResponse:
+        """Prometheus text format: everything for --metrics-key (or anyone, on a server without keys), only its
+        own series for an API key."""
+        key = _metrics_viewer(request, keys, operator)
+        if key is None:
+            gauges, counters = _server_figures(service)
+            text = service.metrics.render(_static_gauges(service) | gauges, counters)
+        else:
+            text = service.metrics.render_key(key, _static_gauges(service))
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
-def _metrics_route(api: APIRouter, service: Service) -> None:
-    @api.get("/metrics", response_class=PlainTextResponse, responses=_responses(None, 401))
-    async def metrics() -> PlainTextResponse:
-        """Prometheus text format."""
-        worker = service.worker
-        running = worker.running if worker is not None else 0
-        gauges = {
-            "dgemma_requests_running": ("Sequences in the engine's batch.", running),
-            "dgemma_requests_waiting": ("Admitted sequences not yet in a batch.", max(0, service.in_use - running)),
-            "dgemma_admission_capacity": ("Sequences admitted at once (running + queued).", service.config.capacity),
-            "dgemma_ready": ("1 when the model is loaded and requests are served.", service.unavailable() is None),
-        }
-        counters = {}
-        if (prefix := service.prefix_cache) is not None:
-            gauges["dgemma_prefix_cache_bytes"] = ("KV-cache bytes the prefix cache holds.", prefix.bytes)
-            counters = {
-                "dgemma_prefix_cache_lookups_total": ("Prompts looked up in the prefix cache.", prefix.lookups),
-                "dgemma_prefix_cache_hits_total": ("Prompts that continued from a cached prefix.", prefix.hits),
-                "dgemma_prefix_cache_tokens_reused_total": ("Prompt tokens taken from the prefix cache instead of "
-                                                            "encoded.", prefix.tokens_reused),
-                "dgemma_prefix_cache_evictions_total": ("Entries evicted to stay within the budget.",
-                                                        prefix.evictions)}
-        return PlainTextResponse(service.metrics.render(gauges, counters), media_type="text/plain; version=0.0.4")
+def _metrics_viewer(request: Request, keys: security.ApiKeys, operator: security.ApiKeys) -> int | None:
+    """None: the caller sees everything; else the position of the API key whose own series it sees (401 for
+    anyone else, once a key of either kind is configured)."""
+    if (not keys and not operator) or operator.find(request) is not None:
+        return None
+    return keys.check(request)
+
+
+def _static_gauges(service: Service) -> dict[str, tuple[str, float]]:
+    """Gauges that say nothing about anyone's traffic."""
+    return {"dgemma_admission_capacity": ("Sequences admitted at once (running + queued).", service.config.capacity),
+            "dgemma_ready": ("1 when the model is loaded and requests are served.", service.unavailable() is None)}
+
+
+def _server_figures(service: Service) -> tuple[dict[str, tuple[str, float]], dict[str, tuple[str, float]]]:
+    """(gauges, counters) of everyone's traffic: the batch, the queue, the prefix cache."""
+    running = service.worker.running if service.worker is not None else 0
+    gauges = {"dgemma_requests_running": ("Sequences in the engine's batch.", running),
+              "dgemma_requests_waiting": ("Admitted sequences not yet in a batch.", max(0, service.in_use - running))}
+    if (prefix := service.prefix_cache) is None:
+        return gauges, {}
+    gauges["dgemma_prefix_cache_bytes"] = ("KV-cache bytes the prefix cache holds.", prefix.bytes)
+    counters = {
+        "dgemma_prefix_cache_lookups_total": ("Prompts looked up in the prefix cache.", prefix.lookups),
+        "dgemma_prefix_cache_hits_total": ("Prompts that continued from a cached prefix.", prefix.hits),
+        "dgemma_prefix_cache_tokens_reused_total": ("Prompt tokens taken from the prefix cache instead of encoded.",
+                                                    prefix.tokens_reused),
+        "dgemma_prefix_cache_evictions_total": ("Entries evicted to stay within the budget.", prefix.evictions)}
+    return gauges, counters
 
 
 async def _respond(service: Service, body: Any, prompts: list[Any], param: str, request: Request,

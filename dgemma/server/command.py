@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dgemma.errors import DgemmaError
 from dgemma.options import add_model_options, add_threads_option
-from dgemma.server.config import KEY_ENV, ServerConfig
+from dgemma.server.config import KEY_ENV, METRICS_KEY_ENV, ServerConfig
 
 log = logging.getLogger("dgemma.server")
 
@@ -32,7 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     keys = tuple(args.api_keys) + ((os.environ[KEY_ENV],) if os.environ.get(KEY_ENV) else ())
-    return ServerConfig.from_args(args, model_name=args.model_name or _default_name(args.model), api_keys=keys)
+    metrics_key = args.metrics_key or os.environ.get(METRICS_KEY_ENV) or None
+    return ServerConfig.from_args(args, model_name=args.model_name or _default_name(args.model), api_keys=keys,
+                                  metrics_key=metrics_key)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from dgemma.sampling.params import Limits
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 KEY_ENV = "DGEMMA_API_KEY"
+METRICS_KEY_ENV = "DGEMMA_METRICS_KEY"
 
 
 def setting(value: Any, help: str, flag: str | tuple[str, ...] | None = None, *, least: float | None = None,
@@ -42,6 +43,9 @@ class ServerConfig:
     port: int = setting(8000, "port (0: any free port, printed at start)", least=0, most=65535)
     api_keys: tuple[str, ...] = setting((), f"accepted bearer key (repeatable; also ${KEY_ENV}). Without keys the "
                                         "API is open", "--api-key", shown="none", repr=False)  # never printed
+    metrics_key: str | None = setting(None, f"bearer key that reads all of /metrics, and nothing else (also "
+                                      f"${METRICS_KEY_ENV}). With it or --api-key, an API key reads only its own "
+                                      "series there", shown="none", repr=False)
     max_concurrency: int = setting(16, "sequences decoded together (the engine's batch)", least=1)
     max_queue: int = setting(64, "admitted sequences waiting for a batch row; more are refused with 429", least=0)
     max_cache_mb: float | None = setting(None, "largest KV cache one request may need (its prompt + max_tokens), "
@@ -71,6 +75,9 @@ class ServerConfig:
                                         above=0)
     max_connections: int = setting(512, "open connections; more are answered 503 and closed", least=1)
     tokenizer_threads: int = setting(2, "prompts tokenized at once, in threads off the event loop", least=1)
+    image_threads: int = setting(1, "requests with images prepared at once (decoding, the vision tower), in threads "
+                                 "of their own at a lower CPU priority, so that images never hold text prompts up",
+                                 least=1)
     # fairness caps: what one request may cost the others; beyond them a request is refused with 400 naming the
     # field (a checkpoint default above a cap is lowered to it)
     max_denoising_steps: int | None = setting(None, "most denoising steps per canvas a request may ask "
@@ -89,7 +96,7 @@ class ServerConfig:
     mode: str = setting(MODES[0], MODE_HELP, choices=MODES)
     log_level: str = setting("info", "server log level", choices=("debug", "info", "warning", "error"))
     access_log: bool = setting(True, "do not log each request", "--no-access-log", action="store_false")
-    images: ImageLimits = ImageLimits()  # image inputs: their flags are image_limits.add_image_options
+    images: ImageLimits = ImageLimits(local_files=False)  # their flags: image_limits.add_image_options
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -98,6 +105,8 @@ class ServerConfig:
             raise ConfigError(f"--max-n ({self.max_n}) exceeds --max-concurrency + --max-queue ({self.capacity})")
         if any(not k for k in self.api_keys):
             raise ConfigError("--api-key must not be empty")
+        if self.metrics_key is not None and (not self.metrics_key or self.metrics_key in self.api_keys):
+            raise ConfigError("--metrics-key must not be empty, nor one of the --api-key keys")
         if not self.loopback and not self.allowed_hosts:
             raise ConfigError(f"--host {self.host} is not a loopback address: name the Host headers clients will "
                               "send with --allowed-hosts NAME[,NAME] (or --allowed-hosts '*' to accept any)")
@@ -127,7 +136,7 @@ class ServerConfig:
         values = {f.name: tuple(getattr(args, f.name)) if isinstance(f.default, tuple) else getattr(args, f.name)
                   for f in fields(cls) if "help" in f.metadata}
         values["allowed_hosts"] = _split(values["allowed_hosts"])
-        return cls(**values | {"images": limits_from_args(args, args.fetch_image_urls)} | given)
+        return cls(**values | {"images": limits_from_args(args, args.fetch_image_urls, local_files=False)} | given)
 
     @property
     def limits(self) -> Limits:

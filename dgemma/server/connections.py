@@ -1,7 +1,8 @@
 """Connection hygiene for uvicorn's h11 server: a complete request header within --header-timeout of connecting
 (or of the previous response), a whole body within --body-timeout, idle keep-alive connections closed after
---keep-alive-timeout, at most --max-connections open (more are answered 503 and closed), and protocol errors
-answered with OpenAI error objects instead of uvicorn's plain text. A slow or silent client costs one timer."""
+--keep-alive-timeout, at most --max-connections open (more are answered 503 and closed), a request framed by both
+Content-Length and Transfer-Encoding refused, and protocol errors answered with OpenAI error objects instead of
+uvicorn's plain text (the connection closed after them). A slow or silent client costs one timer."""
 
 from __future__ import annotations
 
@@ -18,8 +19,24 @@ from dgemma.server.security import MAX_HEADER_BYTES
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 503: b"Service Unavailable"}
 
 
+class OneFraming(h11.Connection):
+    """h11 frames a request carrying both Content-Length and Transfer-Encoding by the latter and keeps the
+    connection; a proxy in front may have framed it by the former (request smuggling), so it is a protocol error
+    here (RFC 9112 section 6.1), which the server answers 400 and closes on."""
+
+    def next_event(self) -> Any:
+        event = super().next_event()
+        if isinstance(event, h11.Request) and {b"content-length", b"transfer-encoding"} <= dict(event.headers).keys():
+            raise h11.RemoteProtocolError("both Content-Length and Transfer-Encoding", error_status_hint=400)
+        return event
+
+
 class GuardedH11Protocol(H11Protocol):
     limits: ServerConfig  # set on the subclass that `uvicorn_config` makes
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.conn = OneFraming(h11.SERVER, self.config.h11_max_incomplete_event_size)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

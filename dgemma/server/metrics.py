@@ -1,5 +1,6 @@
 """Prometheus text exposition (format 0.0.4), hand-formatted: a few counters and histograms recorded by the
-routes (client-side latencies, finish reasons) and by the engine thread (queue time, denoising figures)."""
+routes (client-side latencies, finish reasons; server-wide and per API key) and by the engine thread (queue time,
+denoising figures). A key's view holds its own series only; the server-wide ones show everyone's traffic."""
 
 from __future__ import annotations
 
@@ -25,14 +26,20 @@ class Histogram:
         self.counts[bisect.bisect_left(self.buckets, value)] += 1
         self.sum += value
 
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        total = 0
+    def header(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+
+    def samples(self, labels: str = "") -> list[str]:
+        """The sample lines; `labels` ('api_key="0"') go on each."""
+        lines, total = [], 0
         for bound, count in zip((*self.buckets, math.inf), self.counts):
             total += count
-            le = "+Inf" if bound == math.inf else repr(float(bound))
-            lines.append(f'{self.name}_bucket{{le="{le}"}} {total}')
-        return lines + [f"{self.name}_sum {self.sum!r}", f"{self.name}_count {total}"]
+            le = _label("le", "+Inf" if bound == math.inf else repr(float(bound)))
+            lines.append(f"{self.name}_bucket{_braces(labels, le)} {total}")
+        return lines + [f"{self.name}_sum{_braces(labels)} {self.sum!r}", f"{self.name}_count{_braces(labels)} {total}"]
+
+    def render(self) -> list[str]:
+        return self.header() + self.samples()
 
 
 class Counter:
@@ -43,22 +50,73 @@ class Counter:
     def inc(self, label_value: str = "", amount: float = 1) -> None:
         self.values[label_value] += amount
 
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
+    def header(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
+
+    def samples(self, labels: str = "") -> list[str]:
         if self.label is None:
-            return lines + [f"{self.name} {self.values.get('', 0.0)!r}"]
-        return lines + [f'{self.name}{{{self.label}="{k}"}} {v!r}' for k, v in sorted(self.values.items())]
+            return [f"{self.name}{_braces(labels)} {self.values.get('', 0.0)!r}"]
+        return [f"{self.name}{_braces(labels, _label(self.label, k))} {v!r}" for k, v in sorted(self.values.items())]
+
+    def render(self) -> list[str]:
+        return self.header() + self.samples()
+
+
+def _label(name: str, value: object) -> str:
+    return f'{name}="{value}"'
+
+
+def _braces(*labels: str) -> str:
+    """'a="1"', 'b="2"' -> '{a="1",b="2"}'; no labels -> ''."""
+    inner = ",".join(label for label in labels if label)
+    return "{" + inner + "}" if inner else ""
+
+
+class Traffic:
+    """The series of one client's requests (or of everyone's): admissions, refusals, tokens, finish reasons and
+    latencies. Nothing in them depends on anyone else's requests but through the latencies."""
+
+    def __init__(self, prefix: str):
+        self.requests = Counter(f"{prefix}requests_total", "Requests admitted.")
+        self.finished = Counter(f"{prefix}requests_finished_total", "Choices finished, by reason.", "reason")
+        self.rejected = Counter(f"{prefix}requests_rejected_total", "Requests refused before any model work.",
+                                "reason")
+        self.prompt_tokens = Counter(f"{prefix}prompt_tokens_total", "Prompt tokens of admitted choices.")
+        self.generation_tokens = Counter(f"{prefix}generation_tokens_total", "Tokens returned to clients.")
+        self.ttft = Histogram(f"{prefix}time_to_first_token_seconds",
+                              "Arrival to the first committed canvas, per choice.", LATENCY)
+        self.tpot = Histogram(f"{prefix}time_per_output_token_seconds",
+                              "After the first canvas: (e2e - ttft) / tokens committed after it, per choice.",
+                              PER_TOKEN)
+        self.e2e = Histogram(f"{prefix}e2e_request_latency_seconds", "Arrival to the last token, per choice.",
+                             LATENCY)
+
+    def families(self) -> tuple[Counter | Histogram, ...]:
+        return (self.ttft, self.tpot, self.e2e, self.requests, self.finished, self.rejected, self.prompt_tokens,
+                self.generation_tokens)
+
+    def admit(self, prompt_tokens: int) -> None:
+        self.requests.inc()
+        self.prompt_tokens.inc(amount=prompt_tokens)
+
+    def finish(self, reason: str, e2e: float, ttft: float | None, tpot: float | None, tokens: int) -> None:
+        self.finished.inc(reason)
+        self.generation_tokens.inc(amount=tokens)
+        self.e2e.observe(e2e)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if tpot is not None:
+            self.tpot.observe(tpot)
 
 
 class Metrics:
+    """Everyone's series (`total`), engine figures, and each API key's own series (`dgemma_key_*`, labelled with
+    the key's position among the configured keys, never the key)."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.ttft = Histogram("dgemma_time_to_first_token_seconds",
-                              "Arrival to the first committed canvas, per choice.", LATENCY)
-        self.tpot = Histogram("dgemma_time_per_output_token_seconds",
-                              "After the first canvas: (e2e - ttft) / tokens committed after it, per choice.",
-                              PER_TOKEN)
-        self.e2e = Histogram("dgemma_e2e_request_latency_seconds", "Arrival to the last token, per choice.", LATENCY)
+        self.total = Traffic("dgemma_")
+        self.keys: dict[int, Traffic] = {}
         self.queue = Histogram("dgemma_request_queue_time_seconds",
                                "Submission to the engine until the prompt is prefilled into a batch.", LATENCY)
         self.steps = Histogram("dgemma_denoising_steps_per_canvas", "Denoising steps each committed canvas took.",
@@ -66,10 +124,6 @@ class Metrics:
         self.tpf = Histogram("dgemma_tokens_per_forward", "Committed tokens per decoder pass, per finished request.",
                              TOKENS_PER_FORWARD)
         self.batch = Histogram("dgemma_batch_size", "Sequences denoised together, per engine step.", BATCH)
-        self.finished = Counter("dgemma_requests_finished_total", "Choices finished, by reason.", "reason")
-        self.rejected = Counter("dgemma_requests_rejected_total", "Requests refused before any model work.", "reason")
-        self.prompt_tokens = Counter("dgemma_prompt_tokens_total", "Prompt tokens of admitted choices.")
-        self.generation_tokens = Counter("dgemma_generation_tokens_total", "Tokens returned to clients.")
         self.passes = Counter("dgemma_decoder_passes_total", "Decoder passes of the diffusion engine.")
         self.pass_rows = Counter("dgemma_decoder_rows_total", "Rows summed over decoder passes (divided by the "
                                  "passes: rows per pass).")
@@ -79,16 +133,33 @@ class Metrics:
                                     "done: each step's time times its share of done rows.")
         self._seen = (0, 0, 0)  # the engine's (passes, rows, done_rows) at the last step
 
-    # ---- recording: the event loop (choices) and the engine thread (engine figures) both call these --------
-    def choice_finished(self, reason: str, e2e: float, ttft: float | None, tpot: float | None, tokens: int) -> None:
+    # ---- recording: the event loop (requests, choices) and the engine thread (engine figures) call these ------
+    def _traffic(self, key: int | None) -> tuple[Traffic, ...]:
+        """The series a request of API key `key` (None: a server without keys) counts in."""
+        if key is None:
+            return (self.total,)
+        return self.total, self._own(key)
+
+    def _own(self, key: int) -> Traffic:
+        if key not in self.keys:
+            self.keys[key] = Traffic("dgemma_key_")
+        return self.keys[key]
+
+    def admitted(self, prompt_tokens: int, key: int | None = None) -> None:
         with self._lock:
-            self.finished.inc(reason)
-            self.generation_tokens.inc(amount=tokens)
-            self.e2e.observe(e2e)
-            if ttft is not None:
-                self.ttft.observe(ttft)
-            if tpot is not None:
-                self.tpot.observe(tpot)
+            for traffic in self._traffic(key):
+                traffic.admit(prompt_tokens)
+
+    def refused(self, reason: str, key: int | None = None) -> None:
+        with self._lock:
+            for traffic in self._traffic(key):
+                traffic.rejected.inc(reason)
+
+    def choice_finished(self, reason: str, e2e: float, ttft: float | None, tpot: float | None, tokens: int,
+                        key: int | None = None) -> None:
+        with self._lock:
+            for traffic in self._traffic(key):
+                traffic.finish(reason, e2e, ttft, tpot, tokens)
 
     def engine_request_done(self, queue_seconds: float | None, steps_per_canvas: list[int],
                             tokens_per_forward: float | None) -> None:
@@ -120,23 +191,35 @@ class Metrics:
         if rows:
             self.done_seconds.inc(amount=seconds * done / rows)
 
-    def admitted(self, prompt_tokens: int) -> None:
-        with self._lock:
-            self.prompt_tokens.inc(amount=prompt_tokens)
-
-    def refused(self, reason: str) -> None:
-        with self._lock:
-            self.rejected.inc(reason)
-
+    # ---- exposition -----------------------------------------------------------------------------------------
     def render(self, gauges: dict[str, tuple[str, float]], counters: dict[str, tuple[str, float]] | None = None) -> str:
-        """Prometheus text: the given gauges and counters (name: (help, value)), then the recorded metrics."""
-        lines: list[str] = []
-        for kind, values in (("gauge", gauges), ("counter", counters or {})):
-            for name, (help, value) in values.items():
-                lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name} {float(value)!r}"]
+        """Everything: the given gauges and counters (name: (help, value)), the recorded series, every key's own."""
         with self._lock:
-            for metric in (self.ttft, self.tpot, self.e2e, self.queue, self.steps, self.tpf, self.batch,
-                           self.finished, self.rejected, self.prompt_tokens, self.generation_tokens, self.passes,
+            lines = _scalars(gauges, counters or {})
+            for metric in (*self.total.families(), self.queue, self.steps, self.tpf, self.batch, self.passes,
                            self.pass_rows, self.done_rows, self.done_seconds):
                 lines += metric.render()
+            lines += self._by_key(sorted(self.keys))
         return "\n".join(lines) + "\n"
+
+    def render_key(self, key: int, gauges: dict[str, tuple[str, float]]) -> str:
+        """What API key `key` may see: the given gauges and its own series (zeros before its first request)."""
+        with self._lock:
+            return "\n".join(_scalars(gauges, {}) + self._by_key([key])) + "\n"
+
+    def _by_key(self, keys: list[int]) -> list[str]:
+        """The dgemma_key_* families, each with the series of `keys` (label api_key: the key's position)."""
+        lines: list[str] = []
+        for family in zip(*(self._own(k).families() for k in keys)):
+            lines += family[0].header()
+            for key, metric in zip(keys, family):
+                lines += metric.samples(_label("api_key", key))
+        return lines
+
+
+def _scalars(gauges: dict[str, tuple[str, float]], counters: dict[str, tuple[str, float]]) -> list[str]:
+    lines = []
+    for kind, values in (("gauge", gauges), ("counter", counters)):
+        for name, (help, value) in values.items():
+            lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name} {float(value)!r}"]
+    return lines

@@ -36,16 +36,21 @@ class ApiKeys:
 
     def check(self, request: Request) -> int:
         """Which key the request carries (its position among the keys); 401 when none."""
+        found = self.find(request)
+        if found is None:
+            raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return found
+
+    def find(self, request: Request) -> int | None:
+        """Which key the request carries (its position among the keys), or None."""
         found = None
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         digest = hashlib.sha256(token.strip().encode("latin-1")).digest()
         for i, ref in enumerate(self._digests):  # every key, whatever matched
             if hmac.compare_digest(digest, ref):
                 found = i
-        if scheme.lower() != "bearer" or found is None:
-            raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        return found
+        return found if scheme.lower() == "bearer" else None
 
 
 def parse_json(raw: bytes) -> Any:

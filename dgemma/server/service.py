@@ -8,18 +8,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dgemma.api import Model
 from dgemma.chat.tools import ToolUse
 from dgemma.engine import Event, OutputStream, PrefixCache, Result, StreamEvent
 from dgemma.errors import DgemmaError
+from dgemma.images import has_parts
 from dgemma.sampling import MAX_SEED, SamplingParams, SamplingParamsError
 from dgemma.server.config import ServerConfig
 from dgemma.server.errors import ApiError, bad_request, unsupported
@@ -61,6 +64,8 @@ class Service:
         self.failure: str | None = None
         self.in_use = 0  # admitted choices (running + queued)
         self._tokenizing = asyncio.Semaphore(config.tokenizer_threads)
+        self._imaging = asyncio.Semaphore(config.image_threads)  # image requests wait here, not for text threads
+        self._image_pool = ThreadPoolExecutor(config.image_threads, "dgemma-image", initializer=_lower_priority)
         self.prefix_cache = PrefixCache(config.prefix_cache_mb << 20) if config.prefix_cache_mb else None
 
     # ---- life cycle -----------------------------------------------------------------------------------------
@@ -73,7 +78,7 @@ class Service:
             model = self._loader()
             if model.tokenizer is None:
                 raise DgemmaError(f"{model.directory}: the server needs a tokenizer (tokenizer.json)")
-            model.image_limits = self.config.images
+            model.image_limits = replace(self.config.images, local_files=False)  # a client's paths: never
             model.defaults = self.config.limits.clamp(model.defaults)  # defaults within the fairness caps
             worker = Worker(lambda: model.runner(self.config.mode, "fast", self.config.max_concurrency,
                                                  self.prefix_cache), self.metrics)
@@ -101,6 +106,7 @@ class Service:
     def close(self) -> None:
         if self.worker is not None:
             self.worker.stop()
+        self._image_pool.shutdown(wait=False, cancel_futures=True)
 
     def unavailable(self) -> ApiError | None:
         """Why requests cannot be served now (503), or None when ready."""
@@ -143,12 +149,12 @@ class Service:
         if choices > self.config.max_n:
             raise bad_request(f"n x prompts = {choices} choices; this server allows at most {self.config.max_n} "
                               "per request", "n")
-        lease = self._admit(choices)
+        lease = self._admit(choices, key)
         try:
             plans, prompt_tokens = await self._within(_earliest(body.dgemma_timeout, self.config.request_timeout),
                                                       t_arrival, self._plan(body, prompts, param, key))
             return Generation(self, f"{id_prefix}-{uuid.uuid4().hex}", plans, prompt_tokens, body.dgemma_drafts,
-                              lease, t_arrival, body.dgemma_timeout, body.tool_use())
+                              lease, t_arrival, body.dgemma_timeout, body.tool_use(), key)
         except BaseException:
             lease.release()
             raise
@@ -164,21 +170,25 @@ class Service:
             raise ApiError(408, f"the request's deadline ({timeout:g} s) passed while its prompt was prepared",
                            "dgemma_timeout", code="deadline_exceeded") from None
 
-    async def _off_loop(self, fn: Callable, *args: Any) -> Any:
-        """`fn(*args)` in a worker thread, at most --tokenizer-threads at once. A cancelled caller (client gone,
-        deadline passed) stops waiting at once; its thread keeps its place until it ends, so the cap holds."""
-        await self._tokenizing.acquire()
+    async def _off_loop(self, fn: Callable, *args: Any, images: bool = False) -> Any:
+        """`fn(*args)` in a worker thread, at most --tokenizer-threads at once (`images`: in the image threads, at
+        most --image-threads at once). A cancelled caller (client gone, deadline passed) stops waiting at once; its
+        thread keeps its place until it ends, so the cap holds."""
+        gate = self._imaging if images else self._tokenizing
+        await gate.acquire()
         try:
-            future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+            loop = asyncio.get_running_loop()
+            future = loop.run_in_executor(self._image_pool, fn, *args) if images else \
+                asyncio.ensure_future(asyncio.to_thread(fn, *args))
         except BaseException:
-            self._tokenizing.release()
+            gate.release()
             raise
-        future.add_done_callback(lambda _: self._tokenizing.release())
+        future.add_done_callback(lambda _: gate.release())
         return await asyncio.shield(future)
 
-    def _admit(self, choices: int) -> Lease:
+    def _admit(self, choices: int, key: int | None) -> Lease:
         if self.in_use + choices > self.config.capacity:
-            self.metrics.refused("overloaded")
+            self.metrics.refused("overloaded", key)
             raise ApiError(429, f"the server is at capacity ({self.config.max_concurrency} running + "
                            f"{self.config.max_queue} queued sequences); retry later", code="server_busy",
                            headers={"Retry-After": "1"})
@@ -196,7 +206,8 @@ class Service:
         for prompt in prompts:
             try:
                 # the loop never tokenizes (nor compiles a grammar, nor builds a seeded layout): one hop does it all
-                ids, params = await self._off_loop(self._prepare, body, prompt, limit, _partition(key, body.cache_salt))
+                ids, params = await self._off_loop(self._prepare, body, prompt, limit, _partition(key, body.cache_salt),
+                                                   images=has_parts(prompt))
                 plans += [Plan(ids, p) for p in params]
             except SamplingParamsError as e:  # a field is named as the client named it
                 message = re.sub(rf"\b{e.param}\b", renamed[e.param], str(e)) if e.param in renamed else str(e)
@@ -208,7 +219,7 @@ class Service:
 
     def _prepare(self, body: OpenAIRequest, prompt: Any, limit: int,
                  partition: str | None) -> tuple[list[int], list[SamplingParams]]:
-        ids = self.model.encode_prompt(prompt, limit, body.tool_use())
+        ids = self.model.encode_prompt(prompt, limit, body.tool_use(), partition)
         return ids, self._choice_params(body, ids, partition)
 
     def _choice_params(self, body: OpenAIRequest, ids: list[int], partition: str | None) -> list[SamplingParams]:
@@ -257,6 +268,14 @@ def _diffusion_only(body: OpenAIRequest) -> str | None:
     return "dgemma_drafts" if body.dgemma_drafts else None
 
 
+def _lower_priority() -> None:
+    """An image thread yields the CPU to the engine and to text prompts (Linux: a thread's own nice value)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # not Linux, or not allowed: same priority
+        pass
+
+
 def _partition(key: int | None, salt: str | None) -> str | None:
     """The prefix-cache partition of a request: its API key's position and its cache_salt (None: the shared one,
     for a server without keys and a request without a salt)."""
@@ -296,8 +315,10 @@ class Generation:
     call it when the response ends for any reason)."""
 
     def __init__(self, service: Service, id: str, plans: list[Plan], prompt_tokens: int, drafts: bool,
-                 lease: Lease, t_arrival: float, timeout: float | None = None, tools: ToolUse | None = None):
+                 lease: Lease, t_arrival: float, timeout: float | None = None, tools: ToolUse | None = None,
+                 key: int | None = None):
         self.service, self.id, self.lease = service, id, lease
+        self.key = key  # the API key's position: its own /metrics series
         self.prompt_tokens = prompt_tokens
         self.created = int(time.time())
         self.t_arrival = t_arrival
@@ -316,7 +337,7 @@ class Generation:
             self.choices[rid] = _Choice(i, rid, output, plan.params.logprobs is not None)
             jobs.append(Job(rid, plan.ids, plan.params, drafts, sink, self.t_arrival, *deadlines,
                             first_sent=self.choices[rid].first_sent))
-        service.metrics.admitted(sum(len(p.ids) for p in plans))
+        service.metrics.admitted(sum(len(p.ids) for p in plans), key)
         service.worker.submit(jobs)
 
     @property
@@ -403,4 +424,5 @@ class Generation:
         ttft = None if c.t_first is None else c.t_first - self.t_arrival
         later = c.tokens - c.first_tokens
         tpot = (now - c.t_first) / later if c.t_first is not None and later > 0 else None
-        self.service.metrics.choice_finished(c.output.finish_reason, now - self.t_arrival, ttft, tpot, c.tokens)
+        self.service.metrics.choice_finished(c.output.finish_reason, now - self.t_arrival, ttft, tpot, c.tokens,
+                                             self.key)

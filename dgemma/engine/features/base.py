@@ -7,6 +7,7 @@ Hooks act only on the rows that carry the feature; a new feature is one module h
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -15,6 +16,8 @@ from dgemma.engine.batch import Canvas
 from dgemma.engine.request import Event, Request
 from dgemma.model.head import Head
 from dgemma.sampling import StepOutput
+
+log = logging.getLogger("dgemma.engine")
 
 
 @dataclass
@@ -29,6 +32,13 @@ class Step:
     out: StepOutput  # the fused step's output (features may rewrite it in `step`)
     events: list[Event]
     step_seconds: float | None = None  # the engine's measured wall time of a step so far (None: none measured)
+
+    def fail(self, i: int, error: BaseException) -> None:
+        """Row i failed in its own work (its grammar, its layout): it ends with "error" and leaves the batch at the
+        next step; the other rows go on."""
+        log.error("request %s failed and was ended: %s: %s", self.rows[i].id, type(error).__name__, error,
+                  exc_info=error)
+        self.rows[i].finish("error", self.events)
 
     def ending(self) -> list[bool]:
         """Rows whose canvas ends at this step: done, or out of denoising steps."""

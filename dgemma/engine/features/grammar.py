@@ -22,12 +22,12 @@ class Grammar(Feature):
         grammars = _live(s)
         if any(grammars):
             s.out = constrain_step(grammars, s.out, s.hidden, s.head, s.inv_temp, [r.generator for r in s.rows],
-                                   s.canvas.done)
+                                   s.canvas.done, s.fail)
 
     def settle(self, s: Step) -> None:
         grammars = _live(s)
         if any(grammars):
-            s.canvas.mark_done(complete_rows(grammars, s.canvas.argmax, s.hidden, s.head, s.ending()))
+            s.canvas.mark_done(complete_rows(grammars, s.canvas.argmax, s.hidden, s.head, s.ending(), s.fail))
 
 
 def _live(s: Step) -> list:
