@@ -27,6 +27,7 @@ MEDIA_TYPES = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "gif": "GIF", "webp"
 # reference's resize; below it the pixels are exactly the reference processor's
 EXACT_PIXELS = 8 << 20
 STRIP_PIXELS = 1 << 22  # pixels of the source reduced at a time
+WEBP_PIXELS = 1 << 24  # Pillow decodes a WebP whole, at about 15 bytes a pixel (a reduction cannot come first)
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 
 
@@ -137,6 +138,9 @@ def decode(data: bytes, limits: ImageLimits, param: str = "image", keep_pixels: 
     except Exception:  # UnidentifiedImageError, or a header Pillow cannot parse
         raise SamplingParamsError("the image is not a PNG, JPEG, GIF or WebP file", param) from None
     _checked(image, limits, param)
+    if image.format == "WEBP" and image.width * image.height > WEBP_PIXELS:
+        raise SamplingParamsError(f"the WebP image has {image.width}x{image.height} pixels; a WebP image may have "
+                                  f"at most {WEBP_PIXELS} (send a larger image as PNG or JPEG)", param)
     try:
         factor = reduce_factor(image.size, keep_pixels)
         if factor > 1 and image.format == "JPEG":

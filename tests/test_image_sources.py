@@ -120,6 +120,14 @@ def test_caps_are_checked_from_the_header_before_decoding(size, limits, message,
     refused(data_url(header), limits, match=message)
 
 
+def test_a_large_webp_is_refused_before_it_is_decoded(monkeypatch):
+    from PIL import ImageFile
+
+    data = encoded(Image.new("RGB", (4100, 4100)), "WEBP")  # 16.8 M pixels: 250 MB to decode whole
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: pytest.fail("pixels were decoded"))
+    refused(data_url(data, "image/webp"), match="a WebP image may have at most 16777216")
+
+
 def _png_header(width: int, height: int) -> bytes:
     """A PNG whose header declares width x height grey pixels (the data is never reached)."""
     import struct
