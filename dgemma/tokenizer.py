@@ -155,7 +155,9 @@ class Tokenizer:
 
     @functools.cached_property
     def _special_ids(self) -> frozenset[int]:
-        return frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
+        """Control tokens; not the unknown token, which text the vocabulary lacks becomes either way."""
+        unk = getattr(self.tok.model, "unk_token", None)
+        return frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special and t.content != unk)
 
     @functools.cached_property
     def _text_only(self):
