@@ -1,5 +1,5 @@
-"""Rows on their own clocks against the batch-wide-boundary engine (`Engine(row_clocks=False)`), side by side in
-one run on the bundled model:
+"""Rows on their own clocks against the batch-wide boundary (`Engine(row_clocks=False)`: the scheduler's `BatchWide`
+policy), side by side in one run on the bundled model:
 
 - mixed: 8 concurrent requests (prompts of 8..64 tokens, 32..128 new tokens, the checkpoint's adaptive
   defaults): aggregate committed tokens per second;

@@ -8,14 +8,16 @@ import logging
 import sys
 from collections.abc import Iterator
 
-from dgemma.errors import DgemmaError
+from dgemma.errors import DgemmaError, SamplingParamsError
 from dgemma.image_limits import add_image_options, limits_from_args
-from dgemma.options import OPT_IN, SAMPLINGS, add_mode_option, add_model_options
+from dgemma.options import (OPTIONS, SAMPLINGS, add_mode_option, add_model_options, add_threads_option, apply_threads,
+                            check_modes)
 
 
 def load_model_from_args(args: argparse.Namespace):
     from dgemma.api import load_model_from_args as load  # torch: only once a command runs, so --help stays fast
 
+    apply_threads(args)
     return load(args)
 
 
@@ -104,25 +106,27 @@ def _lines(prompt: str) -> Iterator[str]:
 
 def _decoding(args: argparse.Namespace) -> dict:
     """The decoding options `_add_decoding_options` adds, as `Model.generate` / `stream` take them."""
+    return _fields(args) | {"stop": tuple(args.stop) or None, "seed": args.seed, "mode": args.mode,
+                            "sampling": args.sampling}
+
+
+def _fields(args: argparse.Namespace) -> dict:
+    """The SamplingParams fields the decoding flags set (None: not given)."""
     return {"max_new_tokens": args.max_new_tokens, "max_denoising_steps": args.steps, "t_min": args.t_min,
-            "t_max": args.t_max, "entropy_bound": args.entropy_bound, "seed": args.seed,
-            "stop": tuple(args.stop) or None, "ar_temperature": args.ar_temperature, "mode": args.mode,
-            "sampling": args.sampling, **{o.name: getattr(args, o.name) for o in OPT_IN}}
+            "t_max": args.t_max, "entropy_bound": args.entropy_bound, "ar_temperature": args.ar_temperature,
+            **{o.name: getattr(args, o.name) for o in OPTIONS}}
 
 
 def _check_mode_options(args: argparse.Namespace) -> None:
-    """Options of the other decoding mode would be ignored: refuse them instead."""
-    if args.mode != "diffusion":
-        given = [flag for flag, value in (("--steps", args.steps), ("--t-min", args.t_min), ("--t-max", args.t_max),
-                                          ("--entropy-bound", args.entropy_bound),
-                                          *((o.flag, getattr(args, o.name)) for o in OPT_IN)) if value is not None]
-        given += ["--sampling reference"] * (args.sampling == "reference")
-        if given:
-            raise DgemmaError(f"{given[0]} applies to diffusion decoding; --mode {args.mode} samples with "
-                              "--ar-temperature (and --seed)")
-    elif args.ar_temperature is not None:
-        raise DgemmaError("--ar-temperature applies to --mode autoregressive and speculative; diffusion decoding's "
-                          "temperature is --t-min / --t-max")
+    """A flag of another decoding would be ignored: refused instead (`options.check_modes`), naming the flag."""
+    if args.mode != "diffusion" and args.sampling == "reference":
+        raise DgemmaError(f"--sampling reference applies to diffusion decoding; --mode {args.mode} samples with "
+                          "--ar-temperature (and --seed)")
+    try:
+        check_modes([k for k, v in _fields(args).items() if v is not None], args.mode, args.sampling)
+    except SamplingParamsError as e:
+        flag = "--steps" if e.param == "max_denoising_steps" else "--" + e.param.replace("_", "-")
+        raise DgemmaError(str(e).replace(e.param, flag, 1)) from None
 
 
 def _grammar(args: argparse.Namespace):
@@ -155,6 +159,7 @@ def _add_generate(sub) -> None:
     p.add_argument("prompt", nargs="?", help="prompt text")
     p.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 2,651,1024")
     add_model_options(p)
+    add_threads_option(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat template")
     p.add_argument("--image", action="append", default=[], metavar="FILE",
                    help="an image the prompt is about (repeatable; implies --chat; needs Pillow and a checkpoint with "
@@ -177,6 +182,7 @@ def _add_chat(sub) -> None:
                                    "answer streams as it is committed; earlier turns are not encoded again (the "
                                    "prefix cache). Reads lines from a pipe too.")
     add_model_options(p)
+    add_threads_option(p)
     p.add_argument("--system", help="a system message before the conversation")
     p.add_argument("--prefix-cache-mb", type=int, default=1024,
                    help="MiB of KV cache kept between turns (default 1024; 0: every turn encodes the whole "
@@ -192,7 +198,7 @@ def _add_decoding_options(p: argparse.ArgumentParser,
     p.add_argument("--t-min", type=float, help="final temperature of the linear schedule")
     p.add_argument("--t-max", type=float, help="initial temperature of the linear schedule")
     p.add_argument("--entropy-bound", type=float, help="entropy budget for accepting tokens per step")
-    _add_opt_in_options(p)
+    _add_request_options(p)
     p.add_argument("--seed", type=int, help=seed_help)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--sampling", choices=SAMPLINGS, default=SAMPLINGS[0],
@@ -202,13 +208,17 @@ def _add_decoding_options(p: argparse.ArgumentParser,
                    help="autoregressive and speculative modes: sampling temperature (0 = greedy)")
 
 
-def _add_opt_in_options(p: argparse.ArgumentParser) -> None:
-    """Diffusion options that change outputs, off by default (docs/performance.md measures each)."""
-    for o in OPT_IN:
+def _add_request_options(p: argparse.ArgumentParser) -> None:
+    """One flag per declared option (options.OPTIONS): the sampling knobs, and the diffusion options that change
+    outputs, off by default (docs/performance.md measures each)."""
+    for o in OPTIONS:
         if o.type is bool:
             p.add_argument(o.flag, action="store_true", default=None, help=f"opt-in: {o.help}")
+        elif o.parse is not None:
+            p.add_argument(o.flag, type=o.parse, action="append", metavar=o.metavar, help=o.help)
         else:
-            p.add_argument(o.flag, type=o.type, metavar=o.metavar, help=f"opt-in: {o.help} (default off)")
+            p.add_argument(o.flag, type=o.type, metavar=o.metavar,
+                           help=f"opt-in: {o.help} (default off)" if o.opt_in else o.help)
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:

@@ -86,12 +86,12 @@ def _count(messages: list[dict[str, Any]]) -> int:
                if isinstance(p, dict) and p.get("type") in ("image", "image_url"))
 
 
-def prompt_ids(model, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+def prompt_ids(encoder, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                limits: ImageLimits, partition: str | None = None) -> HeldIds:
-    """The ids of chat messages with content parts (`model`: a `dgemma.api.Model`): the template's text with each
-    image as boi + its soft-token ids + eoi, holding the images' features. Every input check runs before the vision
-    tower does; `partition` keeps one client's images apart from another's."""
-    module, tokenizer = model.module, model._require_tokenizer()
+    """The ids of chat messages with content parts (`encoder`: a `dgemma.api.prompts.PromptEncoder`): the
+    template's text with each image as boi + its soft-token ids + eoi, holding the images' features. Every input
+    check runs before the vision tower does; `partition` keeps one client's images apart from another's."""
+    module, tokenizer = encoder.module, encoder.require_tokenizer()
     cfg = module.cfg
     if _count(messages) and module.vision is None:
         raise SamplingParamsError("this checkpoint has no vision tower: it takes text prompts only", "messages")
@@ -105,7 +105,7 @@ def prompt_ids(model, messages: list[dict[str, Any]], tools: list[dict[str, Any]
     pieces = tokenizer.encode_chat_pieces(plain, tools, MARKER)  # text parts stay text, as in a text chat
     if len(pieces) != len(images) + 1:
         raise SamplingParamsError("the chat template dropped or repeated an image part", "messages")
-    model.check_ids([t for piece in pieces for t in piece])
+    encoder.check_ids([t for piece in pieces for t in piece])
     ids, held = pieces[0], []
     for image, piece in zip(patches, pieces[1:]):
         soft, features = module.image_ids(image.key(partition), image.pixels, image.positions)

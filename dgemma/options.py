@@ -1,55 +1,81 @@
-"""The options commands share, declared once: model loading (`--model`, `--dtype`, `--device`, `--compile`,
-`--quantize`), the decoding mode and the opt-in decoding options; and the names of the decoding modes and
-samplings (no torch import here: `--help` stays fast)."""
+"""The options commands share, declared once: model loading (`--model`, `--revision`, `--dtype`, `--device`,
+`--compile`, `--quantize`), the decoding mode, and every request option beyond the core sampling fields
+(`OPTIONS`: the opt-in decoding options below and the sampling knobs of `dgemma/knobs/`), with the one table of
+which field applies to which decoding mode (`check_modes`). No torch import here: `--help` stays fast."""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from collections.abc import Iterable
 
 from dgemma.dtypes import NAMES
+from dgemma.errors import SamplingParamsError
+from dgemma.knobs import KNOBS
+from dgemma.option import DIFFUSION, MODES, Option
 
-MODES = ("diffusion", "autoregressive", "speculative")
 SAMPLINGS = ("fast", "reference")
 MODE_HELP = ("decode by block diffusion, autoregressively with the encoder, or speculatively (the decoder drafts, "
              "the encoder checks: autoregressive output, several tokens a pass where the drafts hold)")
 
 
-@dataclass(frozen=True)
-class OptIn:
-    """A decoding option that changes outputs, off unless asked for: this one declaration makes its CLI flag
-    (`--soft-top-k`) and its field of the server's `dgemma_sampling`; the SamplingParams field of the same name
-    holds its rule (sampling/params.py), and its name joins DIFFUSION_ONLY there."""
-
-    name: str
-    type: type
-    metavar: str
-    help: str
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+def opt_in(name: str, type: type, metavar: str, help: str) -> Option:
+    """A decoding option that changes outputs, off unless asked for: fast diffusion only, a dgemma_sampling field."""
+    return Option(name, type, metavar, help, opt_in=True)
 
 
 OPT_IN = (
-    OptIn("early_commit", int, "N", "stream a canvas's left prefix once each of its positions kept its token for N "
-          "steps, before the canvas ends (the text sent never changes)"),
-    OptIn("early_commit_cache", bool, "", "with early_commit: the frozen prefix moves into the KV cache (encoded as "
-          "the canvas's commit would encode it), so the rest of the canvas is smaller"),
-    OptIn("early_first_token", bool, "", "commit the answer's first token before any denoising step: the encoder's "
-          "next-token choice after the prompt (the prefill computes it), held as the first canvas's first position"),
-    OptIn("early_stop", float, "H", "end a canvas once its mean token entropy is below H, stable or not"),
-    OptIn("target_canvas_ms", float, "MS", "each canvas's step budget: the steps that fit MS milliseconds at the "
-          "measured step time (at most max_denoising_steps)"),
-    OptIn("soft_top_k", int, "K", "the self-conditioning signal over each position's K most likely tokens"),
-    OptIn("skip_settled", int, "N", "positions accepted and unchanged for N steps leave the head work"),
-    OptIn("settled_kv_reuse", bool, "", "with skip_settled: settled positions leave the body too, their keys and "
-          "values reused (approximate)"),
+    opt_in("early_commit", int, "N", "stream a canvas's left prefix once each of its positions kept its token for N "
+           "steps, before the canvas ends (the text sent never changes)"),
+    opt_in("early_commit_cache", bool, "", "with early_commit: the frozen prefix moves into the KV cache (encoded "
+           "as the canvas's commit would encode it), so the rest of the canvas is smaller"),
+    opt_in("early_first_token", bool, "", "commit the answer's first token before any denoising step: the "
+           "encoder's next-token choice after the prompt (the prefill computes it), held as the first canvas's first "
+           "position"),
+    opt_in("early_stop", float, "H", "end a canvas once its mean token entropy is below H, stable or not"),
+    opt_in("target_canvas_ms", float, "MS", "each canvas's step budget: the steps that fit MS milliseconds at the "
+           "measured step time (at most max_denoising_steps)"),
+    opt_in("soft_top_k", int, "K", "the self-conditioning signal over each position's K most likely tokens"),
+    opt_in("skip_settled", int, "N", "positions accepted and unchanged for N steps leave the head work"),
+    opt_in("settled_kv_reuse", bool, "", "with skip_settled: settled positions leave the body too, their keys and "
+           "values reused (approximate)"),
 )
+OPTIONS: tuple[Option, ...] = (*OPT_IN, *(k.option for k in KNOBS))
+
+# The core SamplingParams fields that apply to some modes only (every other core field applies to all)
+AUTOREGRESSIVE = MODES[1:]
+FIELD_MODES: dict[str, tuple[str, ...]] = {
+    **{name: DIFFUSION for name in ("max_denoising_steps", "entropy_bound", "t_min", "t_max", "stability_threshold",
+                                    "confidence_threshold", "logprobs")},
+    "ar_temperature": AUTOREGRESSIVE,
+    **{o.name: o.modes for o in OPTIONS},
+}
+REFERENCE_SAMPLING = {"logprobs", *(o.name for o in OPTIONS)}  # fields the reference sampler cannot follow
+
+
+def check_modes(given: Iterable[str], mode: str, sampling: str = "fast") -> None:
+    """Refuse a field set for a decoding it does not apply to (`given`: the SamplingParams fields a caller set, to
+    something other than off), naming the field: the one rule for the Python API, the CLI and the server."""
+    for name in given:
+        modes = FIELD_MODES.get(name, MODES)
+        if mode not in modes:
+            where = "diffusion decoding" if modes == DIFFUSION else "--mode " + " and ".join(modes)
+            raise SamplingParamsError(f"{name} applies to {where}, not to {mode} decoding", name)
+        if sampling == "reference" and name in REFERENCE_SAMPLING:
+            raise SamplingParamsError(f"{name} needs the fast sampler (--sampling fast)", name)
 
 
 def add_threads_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch CPU threads (default: torch's choice, one per core; on a machine busy with other "
+                        "work, fewer threads than cores is often several times faster)")
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """--threads, once a command runs (torch imported only then)."""
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
 
 
 def _positive_int(text: str) -> int:
@@ -63,8 +89,11 @@ def _positive_int(text: str) -> int:
 
 
 def add_model_options(p: argparse.ArgumentParser, dtype_help: str | None = None) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory, cached Hugging Face repo id, or GGUF file "
-                   "of llama.cpp's diffusion-gemma (default: the bundled demo model)")
+    p.add_argument("--model", default=None, help="checkpoint directory, Hugging Face repo id (downloaded into the "
+                   "Hugging Face cache unless already there), or GGUF file of llama.cpp's diffusion-gemma (default: "
+                   "the bundled demo model)")
+    p.add_argument("--revision", default=None, help="with a repo id: the branch, tag or commit to load "
+                   "(default: main)")
     p.add_argument("--dtype", default="auto", choices=("auto", *NAMES),
                    help=dtype_help or "weight dtype (auto: bfloat16 checkpoints stay bfloat16, else float32)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")

@@ -107,7 +107,7 @@ def test_what_cannot_compose_is_refused(model):
             SamplingParams(**bad)
         assert e.value.param == next(iter(bad))
     for kw in ({"sampling": "reference"}, {"mode": "autoregressive"}):
-        with pytest.raises(SamplingParamsError, match="early_commit needs fast diffusion"):
+        with pytest.raises(SamplingParamsError, match="early_commit (applies to diffusion decoding|needs the fast sampler)"):
             model.generate(PROMPT, max_new_tokens=4, early_commit=2, **kw)
 
 
@@ -168,6 +168,7 @@ def test_a_canvas_after_a_one_step_budget_starts_under_the_requests_own_cap(mode
     canvas budgeted one step, the next canvas's first step still computes the self-conditioning signal its
     second step reads (it did not when the first step ran under the previous canvas's budget of one)."""
     import dgemma.engine.engine as engine_module
+    import dgemma.engine.runner as runner_module
 
     wanted = []
 
@@ -175,8 +176,8 @@ def test_a_canvas_after_a_one_step_budget_starts_under_the_requests_own_cap(mode
         wanted.append(kwargs["want_signal"])
         return fast_step(*args, **kwargs)
 
-    fast_step = engine_module.fast_step
-    monkeypatch.setattr(engine_module, "fast_step", spy)
+    fast_step = runner_module.fast_step
+    monkeypatch.setattr(runner_module, "fast_step", spy)
     monkeypatch.setattr(engine_module, "measured", lambda previous, seconds: 0.5)  # every step: 0.5 s
     engine = Engine(model.module, model.defaults.eos_token_ids or (), model.pad_id)
     engine.step_seconds = 1.0  # the first canvas is budgeted at 1 s a step: one step fits 1,500 ms
@@ -330,7 +331,7 @@ def test_passes_shrink_by_the_moved_prefix(model32, monkeypatch):
 
 def test_each_step_leaves_out_of_the_head_exactly_the_committed_prefix(model32, monkeypatch):
     """The positions a step's head work skips are the ids of its canvas committed so far (sent early), no others."""
-    import dgemma.engine.engine as engine_module
+    import dgemma.engine.runner as engine_module
 
     engine = Engine(model32.module, model32.defaults.eos_token_ids or (), model32.pad_id)
     req = engine.add_request(model32.encode_prompt(PROMPT), _params(model32))

@@ -82,7 +82,7 @@ def test_a_denoising_step_reads_the_host_once(model, monkeypatch):
 def test_step_tensors_and_generators_are_made_on_the_models_device(model, monkeypatch):
     """Every tensor the engines make names its device, and every generator is made for the model's device (an
     autoregressive generator made on the CPU crashed CUDA sampling)."""
-    import dgemma.engine.runner as runner
+    import dgemma.engine.base as runner
 
     devices = []
     real = runner.make_generator

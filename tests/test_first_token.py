@@ -142,7 +142,7 @@ def test_refused_where_it_cannot_apply(model, capsys):
         with pytest.raises(SamplingParamsError) as e:
             SamplingParams(**{"early_first_token": True} | bad)
         assert e.value.param == "early_first_token"
-    with pytest.raises(SamplingParamsError, match="early_first_token needs fast diffusion"):
+    with pytest.raises(SamplingParamsError, match="early_first_token applies to diffusion decoding"):
         model.generate(PROMPT, mode="autoregressive", max_new_tokens=4, early_first_token=True)
     assert main(["generate", PROMPT, "--max-new-tokens", "6", "--seed", "1", "--early-first-token", "--json"]) == 0
     assert '"token_ids"' in capsys.readouterr().out

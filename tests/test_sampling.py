@@ -374,7 +374,7 @@ def test_params_replace():
     assert (q.max_new_tokens, q.seed, q.t_min, q.stop) == (256, 3, 0.8, ("x",))  # t_max == t_min allowed
     assert p.t_min == 0.4
     with pytest.raises(ValueError, match="unknown"):
-        p.replace(top_k=5)
+        p.replace(top_kk=5)
     with pytest.raises(ValueError, match="t_max"):
         p.replace(t_min=0.9)
     with pytest.raises(AttributeError):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dgemma
-import dgemma.engine.engine as engine_module
+import dgemma.engine.runner as engine_module  # the model runner calls the fused step
 import dgemma.sampling.fused as fused
 from dgemma.bench.flops import diffusion_flops, saved_flops
 from dgemma.errors import SamplingParamsError

@@ -17,7 +17,7 @@ from pathlib import Path
 from dgemma.bench.job import ENGINES, Job, log
 from dgemma.dtypes import NAMES
 from dgemma.errors import DgemmaError
-from dgemma.options import add_threads_option
+from dgemma.options import add_threads_option, apply_threads
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,8 +71,7 @@ def run(args: argparse.Namespace) -> int:
         return multiturn.run(args, directory)
     cfg = read_config(directory)
     jobs = plan(args, str(directory))
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     log(f"dgemma bench: {len(jobs)} configurations on {directory} ({args.device}, {torch.get_num_threads()} "
         f"threads); diffusion steps per canvas: {args.steps}")
     machine = flops.measure_machine(args.device, args.matmul_size, _csv(args.dtype) + _csv(args.reference_dtype))

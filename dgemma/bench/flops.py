@@ -16,6 +16,7 @@ import torch
 from dgemma.bench.job import log, sync
 from dgemma.config import ModelConfig, TextConfig
 from dgemma.dtypes import native_bf16, parse_dtype
+from dgemma.engine.features import COUNTERS
 
 
 # ---- FLOP model -------------------------------------------------------------------------------------------------
@@ -59,22 +60,26 @@ def diffusion_flops(cfg: ModelConfig, prompt_len: int, steps_per_canvas: list[in
             "self_conditioning": self_cond}
 
 
+def unit_flops(cfg: ModelConfig, soft_top_k: int | None, context: int = 0) -> dict[str, float]:
+    """Matmul FLOPs of `diffusion_flops` in one unit of each kind of work the features count (their `counters`,
+    engine/features/base.py): a position's LM head or soft-embedding row (2 V H), a soft embedding over k entries
+    instead of V (`soft_top_k`: 2 (V - k) H), a canvas position's share of a decoder pass after `context` cached
+    tokens with its self-conditioning MLP, and an id through the encoder."""
+    t, c = cfg.text, cfg.canvas_length
+    return {"vocab_row": 2 * t.hidden_size * t.vocab_size,
+            "sparse_soft_row": 2 * t.hidden_size * max(t.vocab_size - (soft_top_k or t.vocab_size), 0),
+            "canvas_body_row": body_flops(t, c, context, causal=False) / c + 6 * t.hidden_size * t.intermediate_size,
+            "encoded_id": body_flops(t, 1, context, causal=True)}
+
+
 def saved_flops(cfg: ModelConfig, stats: dict[str, Any], soft_top_k: int | None, context: int = 0) -> float:
     """Matmul FLOPs of `diffusion_flops` that a request's opt-in savings spared, from its stats (engine/request.py):
-    head rows and soft-embedding rows of settled positions left out (`skip_settled`: 2 V H each), soft embeddings
-    over k entries instead of V (`soft_top_k`: 2 (V - k) H each), and canvas positions left out of the body
-    (`settled_kv_reuse`, and `early_commit_cache`'s moved positions: a canvas position's share of a decoder pass
-    after `context` cached tokens, and its self-conditioning MLP), less the encoder pass over the ids of a last
-    canvas that `early_commit_cache` moved into the cache (`encoded_early`: the defaults never encode a last
-    canvas) and the head row of a prompt's last position (`early_first_token`)."""
-    t, c = cfg.text, cfg.canvas_length
-    row = 2 * t.hidden_size * t.vocab_size
-    sparse = 2 * t.hidden_size * max(t.vocab_size - (soft_top_k or t.vocab_size), 0)
-    body = body_flops(t, c, context, causal=False) / c + 6 * t.hidden_size * t.intermediate_size
-    return row * (stats.get("skipped_head_rows", 0) + stats.get("skipped_soft_rows", 0)
-                  - stats.get("first_token_rows", 0)) \
-        + sparse * stats.get("sparse_soft_rows", 0) + body * stats.get("skipped_body_rows", 0) \
-        - body_flops(t, 1, context, causal=True) * stats.get("encoded_early", 0)
+    each feature counter's units of work left out, less those it added (`Counter.saves` False), priced by
+    `unit_flops`."""
+    total = 0
+    for unit, flops in unit_flops(cfg, soft_top_k, context).items():
+        total += flops * sum(stats.get(k.name, 0) * (1 if k.saves else -1) for k in COUNTERS if k.unit == unit)
+    return total
 
 
 def autoregressive_flops(cfg: ModelConfig, prompt_len: int, tokens: int) -> dict[str, float]:

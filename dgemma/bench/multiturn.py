@@ -17,6 +17,7 @@ import statistics
 import torch
 
 from dgemma.bench.job import FIXED_STEPS_THRESHOLD, TOKEN_ENGINES, log
+from dgemma.options import apply_threads
 
 
 def chat(model, prefix_mb: int, args: argparse.Namespace) -> list[dict]:
@@ -60,8 +61,7 @@ def summary(turns: list[dict]) -> dict:
 def run(args: argparse.Namespace, directory) -> int:
     import dgemma
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     dtype = args.dtype.split(",")[0]
     model, mode = dgemma.load(directory, dtype=dtype, device=args.device), chat_mode(args.engines)
     log(f"multi-turn: {args.turns} turns on {directory} ({dtype}, {args.device}, {mode}); warm-up")

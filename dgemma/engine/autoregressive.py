@@ -16,18 +16,24 @@ from typing import Any
 import torch
 
 from dgemma.cache import KVCache, PrefixCache
+from dgemma.engine.base import EngineBase
 from dgemma.engine.request import Event, Request
-from dgemma.engine.runner import Runner
 from dgemma.model import DiffusionGemma
 from dgemma.sampling import sample_next
+from dgemma.sampling.processing import Processor
 
 
-def next_token(req: Request, logits: torch.Tensor) -> int:
-    """The request's next token from next-token logits [1, V]: masked by its grammar, greedy or drawn at
+def next_token(req: Request, logits: torch.Tensor, pending: list[int] = ()) -> int:
+    """The request's next token from next-token logits [1, V]: masked by its grammar, processed by its sampling
+    knobs (over its prompt, output and the `pending` ids chosen before this one), greedy or drawn at
     `ar_temperature` from its generator (one draw per token), then locked into the grammar's prefix."""
     if req.grammar is not None:
         logits = logits.masked_fill(~req.grammar.allowed().to(logits.device), -math.inf)
-    token = int(sample_next(logits, req.params.ar_temperature, req.generator)[0])
+    t = req.params.ar_temperature
+    process = Processor.of(req.params, req.prompt, [*req.output, *pending], logits.shape[-1])
+    if process is not None:  # the temperature is the processor's: after the penalties, before the truncations
+        logits, t = process(logits, 1 / t if t else None), 1.0 if t else 0.0
+    token = int(sample_next(logits, t, req.generator)[0])
     if req.grammar is not None and not req.grammar.extend([token]):
         req.grammar.give_up()
         token = req.grammar.locked[-1]
@@ -56,7 +62,7 @@ class Row:
     state: Any = None  # what a subclass keeps per row (speculative: its drafts' noise and pace)
 
 
-class AutoregressiveEngine(Runner):
+class AutoregressiveEngine(EngineBase):
     mode = "autoregressive"
 
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], max_batch: int = 1,
@@ -113,8 +119,8 @@ class AutoregressiveEngine(Runner):
     def _start(self, req: Request, events: list[Event]) -> Row:
         """Prefill the prompt into a new cache and commit the first token."""
         req.stats.t_start = time.perf_counter()
-        if req.grammar is not None:
-            req.grammar.start_canvas(req.params.max_new_tokens + 1, req.params.max_new_tokens)  # one prefix
+        for f in self.features:
+            f.start_sequence(req)
         cache, n = self._prompt_cache(req)
         hidden = self.model.prefill(torch.tensor([req.prompt[n:]], device=self.model.device), cache)
         if self.prefix_cache is not None:

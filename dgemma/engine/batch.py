@@ -189,14 +189,13 @@ class Canvas:
         if index is not None:
             argmax, rows = argmax[torch.tensor(index, device=argmax.device)], [rows[i] for i in index]
         steps = self.row_steps if index is None else [self.row_steps[i] for i in index]
-        finished = torch.tensor([r.finished for r in rows], device=argmax.device)
-        eos_ids = [list(r.eos) if r.seeded is None else [] for r in rows]  # a seeded row's EOS may end a hole only
-        eos = _row_table(eos_ids, argmax.device, torch.long, -1)
-        padded = finalize_canvas(argmax, eos, pad_id, finished)
-        for r, ids, n in zip(rows, argmax.tolist(), steps):
-            if not r.finished:
-                r.commit(ids, n, events)
-        return padded
+        finished = [r.finished for r in rows]
+        commits = [None if f else r.commit(ids, n, events)
+                   for r, f, ids, n in zip(rows, finished, argmax.tolist(), steps)]
+        # a row whose rule keeps its EOS ids inside the canvas (a seeded layout: an EOS ends a hole only) is not cut
+        eos = _row_table([list(r.eos) if c is None or c.cut else [] for r, c in zip(rows, commits)], argmax.device,
+                         torch.long, -1)
+        return finalize_canvas(argmax, eos, pad_id, torch.tensor(finished, device=argmax.device))
 
 
 def _widen(table: Tensor, width: int) -> Tensor:

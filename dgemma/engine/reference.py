@@ -8,15 +8,15 @@ from collections.abc import Iterator
 
 import torch
 
+from dgemma.engine.base import EngineBase
 from dgemma.engine.batch import Canvas, prefill
 from dgemma.engine.request import Event, Request
-from dgemma.engine.runner import Runner
 from dgemma.errors import ConfigError
 from dgemma.model import DiffusionGemma
 from dgemma.sampling import SamplingParams, reference_step
 
 
-class ReferenceRunner(Runner):
+class ReferenceRunner(EngineBase):
     sampling = "reference"
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], pad_id: int = 0):
         super().__init__(model, eos_ids)

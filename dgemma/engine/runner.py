@@ -1,81 +1,74 @@
-"""What every engine shares: making a request (the request's EOS ids, else the model's; a generator on the
-model's device; each request feature's state, `Feature.attach`) and driving `step()` to the end."""
+"""The model runner: one decoder pass over the batch's canvas as the scheduler and the request features shaped it
+(`Pass`: the positions it runs on, those it hides, those whose outputs it reuses), then the fused vocabulary step
+(LM head, sampling, the self-conditioning signal) over its rows."""
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
-from dgemma.engine.features import FEATURES, Feature
-from dgemma.engine.request import Event, Request
+import torch
+from torch import Tensor
+
+from dgemma.cache import KVCache
+from dgemma.engine.batch import Canvas
+from dgemma.engine.request import Request
 from dgemma.model import DiffusionGemma
-from dgemma.sampling import SamplingParams, make_generator
-from dgemma.sampling.constraints import GrammarVocab
+from dgemma.sampling import StepOutput
+from dgemma.sampling.fused import Reuse, fast_step
+from dgemma.sampling.processing import Processor
 
-_ids = itertools.count()
+
+@dataclass
+class Pass:
+    """One decoder pass over the batch's rows. By default it runs on every position of the canvas; features narrow
+    it (`Feature.shape`)."""
+
+    rows: list[Request]
+    canvas: Canvas
+    caches: list[KVCache]  # one per row
+    t_start: float  # when its scheduling began: the step's measured time counts from here
+    start: int = 0  # the first position it runs on (those before it are in every row's cache)
+    hide: list[int] | None = None  # per row: positions from `start` on hidden from its canvas (in its cache already)
+    keep: Tensor | None = None  # [B, m] the positions the body runs on, the others' keys and values reused
+    skip: Tensor | None = None  # [B, C] bool: positions left out of the head work, their last outputs reused
 
 
-class Runner:
-    mode, sampling = "diffusion", "fast"  # what a request may ask of it: SamplingParams.check_decoding
+@dataclass
+class Ran:
+    """What a pass gives the features and the canvas."""
 
-    def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], features: tuple[Feature, ...] = FEATURES):
-        self.model, self.features = model, features
-        self.eos_ids = tuple(eos_ids)
-        self.waiting: list[Request] = []
-        self.grammar_vocab: Callable[[], GrammarVocab] | None = None  # set by whoever knows the tokenizer
+    hidden: Tensor  # [B, C, H] the decoder's normed hidden states (zeros where the body did not run)
+    inv_temp: Tensor  # [B] the step's 1 / temperature per row
+    out: StepOutput
+    signal: Tensor | None  # the next step's self-conditioning signal (None: no row takes another step)
 
-    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-                    drafts: bool = False) -> Request:
-        """Queue a request; it starts at the engine's next opportunity."""
-        req = self.make_request(prompt, params, request_id, drafts)
-        self.waiting.append(req)
-        return req
 
-    def make_request(self, prompt: list[int], params: SamplingParams, request_id: str | None, drafts: bool,
-                     own_generator: bool = True) -> Request:
-        """`own_generator=False`: the reference draws from the global RNG."""
-        eos = tuple(params.eos_token_ids if params.eos_token_ids is not None else self.eos_ids)
-        params.check_decoding(self.mode, self.sampling, eos, self.grammar_vocab is not None)
-        generator = make_generator(params.seed, self.model.device) if own_generator else None
-        self.model.soft_tokens.check(prompt)  # an image's features held by the prompt, or still cached
-        req = Request(request_id or f"req-{next(_ids)}", list(prompt), params, eos, drafts, generator,
-                      image_features=getattr(prompt, "held", ()))
-        for f in self.features:
-            f.attach(req, self)
-        return req
+class ModelRunner:
+    def __init__(self, model: DiffusionGemma):
+        self.model = model
 
-    def held(self) -> list[Request]:
-        """The requests this engine holds (waiting or running)."""
-        raise NotImplementedError
+    def run(self, p: Pass) -> Ran:
+        cv, rows, model = p.canvas, p.rows, self.model
+        hidden = self._body(p)
+        inv_temp = 1.0 / cv.temperature()
+        reuse = None if p.skip is None else Reuse(p.skip, cv.argmax, cv.tokens, cv.signal)
+        out, signal = fast_step(hidden, model.lm_head, inv_temp, cv.entropy_bound, [r.generator for r in rows],
+                                cv.done, want_signal=not cv.last_step(rows),
+                                top_k=[r.params.soft_top_k for r in rows], reuse=reuse,
+                                process=[Processor.of(r.params, r.prompt, r.output, model.cfg.text.vocab_size)
+                                         for r in rows])
+        return Ran(hidden, inv_temp, out, signal)
 
-    def abort(self, request_id: str) -> None:
-        """Finish a request now (client gone, stop string seen); the engine drops it at its next step."""
-        for req in self.held():
-            if req.id == request_id and not req.finished:
-                req.finish("abort")
-        self.waiting = [r for r in self.waiting if r.id != request_id]
-
-    def step(self) -> list[Event]:
-        raise NotImplementedError
-
-    def has_work(self) -> bool:
-        raise NotImplementedError
-
-    def tidy(self) -> bool:
-        """A piece (about a step's worth) of the work that waits until there is nothing else to do; True while
-        some is left. The server calls it once idle, a piece at a time, and serves a request that comes between
-        two pieces first."""
-        return False
-
-    def stream(self) -> Iterator[Event]:
-        while self.has_work():
-            yield from self.step()
-        while self.tidy():
-            pass
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
-        """Decode these prompts to the end; returns their finished requests."""
-        reqs = [self.add_request(p, params) for p in prompts]
-        for _ in self.stream():
-            pass
-        return reqs
+    def _body(self, p: Pass) -> Tensor:
+        """The decoder pass [B, C, H]: from `start` with `hide`, or over the `keep` positions, or over the whole
+        canvas; zeros where it did not run (the fused step does not read them)."""
+        cv, model = p.canvas, self.model
+        if p.hide is not None:
+            signal = None if cv.signal is None else cv.signal[:, p.start:]
+            hidden = model.denoise(cv.tokens[:, p.start:], p.caches, signal, hide=p.hide)
+            return torch.nn.functional.pad(hidden, (0, 0, p.start, 0))
+        if p.keep is None:
+            return model.denoise(cv.tokens, p.caches, cv.signal)
+        hidden = model.denoise(cv.tokens, p.caches, cv.signal, keep=p.keep)
+        b, c = cv.tokens.shape
+        return hidden.new_zeros(b, c, hidden.shape[-1]).scatter(1, p.keep[..., None].expand_as(hidden), hidden)

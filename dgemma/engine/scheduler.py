@@ -1,24 +1,28 @@
-"""Which rows run (cf. nano-vllm's Scheduler; the engine runs the model): the waiting queue, admission up to
-`max_batch` rows, each joining row's own cache (a copy of the longest prefix the `PrefixCache` holds plus the rest
-of its prompt, or a prefill grouped by prompt length; with `chunk`, a prompt longer than that is encoded one chunk
-per engine step, so that it never stalls the running rows for longer; `prefilled` hears of each prompt's last
-hidden state), and pruning of finished rows, whose prompts and answers go to the prefix cache as far as their caches
-hold them (a copy: the answer's last canvas was never encoded); `tidy`, once the engine is idle, encodes those last
-canvases, so that this never delays a request (a next turn that comes first encodes it with its own prompt). A
-row's cache is its own, so joins and leaves never copy another row's."""
+"""Which rows and positions run (cf. nano-vllm's Scheduler; the model runner runs them, engine/runner.py): the waiting
+queue, admission up to `max_batch` rows, each joining row's own cache (a copy of the longest prefix the `PrefixCache`
+holds plus the rest of its prompt, or a prefill grouped by prompt length; with the policy's `chunk`, a prompt longer
+than that is encoded one chunk per engine step, so that it never stalls the running rows for longer; the features
+hear of each prompt's last hidden state, `Feature.prefilled`), pruning of finished rows, whose prompts and answers go
+to the prefix cache as far as their caches hold them (a copy: the answer's last canvas was never encoded; `tidy`,
+once the engine is idle, encodes those last canvases, so that this never delays a request), the turnover between
+canvases under a policy (`RowClocks`, `BatchWide`), and each step's `Pass` as the features shape it. A row's cache
+is its own, so joins and leaves never copy another row's."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from dgemma.cache import KVCache, PrefixCache
 from dgemma.engine.batch import Canvas, prefill
-from dgemma.engine.request import Request
+from dgemma.engine.features import Feature
+from dgemma.engine.request import Event, Request
+from dgemma.engine.runner import Pass
 from dgemma.model import DiffusionGemma
+from dgemma.model.diffusion_gemma import PREFILL_CHUNK
+from dgemma.sampling import random_tokens
 
 
 @dataclass
@@ -43,16 +47,105 @@ def prefill_groups(rows: list[Request], waste: float = 0.25) -> list[list[Reques
     return groups
 
 
+class RowClocks:
+    """Each row on its own clock (the default): a row whose canvas is done commits it at once, and at the next step
+    its canvas is encoded into its cache and its next canvas starts beside the others'; requests join at every step,
+    and a long prompt is encoded a chunk per step."""
+
+    chunk: int | None = PREFILL_CHUNK
+
+    def turnover(self, batch: Batch | None) -> bool:
+        """Rows leave, go on and join at this step."""
+        return True
+
+    def ending(self, rows: list[Request], cv: Canvas) -> tuple[list[int], bool]:
+        """The rows that commit now, and whether the batch's canvas ends with them (every row starts anew)."""
+        return [i for i, (d, r) in enumerate(zip(cv.done, rows)) if d and not r.finished], False
+
+
+class BatchWide(RowClocks):
+    """The batch moves from canvas to canvas together (kept to compare: benchmarks/row_clocks.py): done rows stay
+    frozen in the pass until every row is done, then all commit; requests join only at that boundary, their prompts
+    encoded whole."""
+
+    chunk = None
+
+    def turnover(self, batch: Batch | None) -> bool:
+        return batch is None or batch.canvas is None
+
+    def ending(self, rows: list[Request], cv: Canvas) -> tuple[list[int], bool]:
+        done = cv.all_done(rows, finished_rows_count=False)
+        return (list(range(len(rows))) if done else []), done
+
+
 class Scheduler:
     def __init__(self, model: DiffusionGemma, pad_id: int, max_batch: int, prefix_cache: PrefixCache | None,
-                 chunk: int | None = None, prefilled: Callable[[list[Request], torch.Tensor], None] | None = None):
+                 features: tuple[Feature, ...] = (), policy: RowClocks = RowClocks()):
         self.model, self.pad_id, self.max_batch, self.prefix_cache = model, pad_id, max_batch, prefix_cache
-        self.chunk, self.prefilled = chunk, prefilled or (lambda rows, hidden: None)
+        self.features, self.policy, self.chunk = features, policy, policy.chunk
         self.waiting: list[Request] = []
         self.prefilling: list[tuple[Request, KVCache]] = []  # long prompts, encoded a chunk per step
         self.batch: Batch | None = None
         self.owed: list[tuple[str | None, list[int], int]] = []  # finished (partition, prompt + answer, ids cached)
 
+    def schedule(self, events: list[Event]) -> Pass | None:
+        """This step's pass: after the policy's turnover, the running rows' canvases, as the features shape it.
+        None when no pass runs: no rows, a turnover whose starting canvases committed ids (they go out at once), or
+        only aborted rows left."""
+        if self.policy.turnover(self.batch):
+            self._turnover(events)
+        if events or self.batch is None:
+            return None
+        t, b = time.perf_counter(), self.batch
+        if any(r.finished for r in b.rows) and not self.prune():
+            return None  # aborted rows leave mid-canvas, so they stop costing compute
+        p = Pass(b.rows, b.canvas, b.caches, t)
+        for f in self.features:
+            f.shape(p, self.model)
+        return p
+
+    # ---- between canvases -------------------------------------------------------------------------------
+    def _turnover(self, events: list[Event]) -> None:
+        """Rows that committed a canvas go on (finished ones leave; the others' canvases are encoded and their
+        next ones start), and waiting requests join with a fresh canvas."""
+        b = self.batch
+        going_on = self._encode_pending(b) if b is not None and b.pending and self.prune() else []
+        joined = self.admit()
+        if (b := self.batch) is None:
+            return
+        if b.canvas is None:  # a new batch, or the batch-wide boundary: every row starts
+            b.canvas = self._fresh(b.rows, events)
+            return
+        if going_on:
+            b.canvas.put(going_on, self._fresh([b.rows[i] for i in going_on], events))
+        if joined:
+            b.canvas.extend(self._fresh(joined, events))
+
+    def _encode_pending(self, b: Batch) -> list[int]:
+        """Encode the committed canvases of the rows still in the batch (what the features did not move into their
+        caches already), rows with as many ids together; returns their indices."""
+        at = {id(r): i for i, r in enumerate(b.rows)}
+        going = [(at[id(r)], ids) for r, ids in b.pending if id(r) in at]
+        b.pending = []
+        for n in sorted({len(ids) for _, ids in going}):
+            group = [(i, ids) for i, ids in going if len(ids) == n]
+            self.model.encode(torch.stack([ids for _, ids in group]), [b.caches[i] for i, _ in group])
+        return [i for i, _ in going]
+
+    def _fresh(self, rows: list[Request], events: list[Event]) -> Canvas:
+        """A new canvas for these rows: noise from each row's generator, then the features' start."""
+        cfg = self.model.cfg
+        tokens = random_tokens((len(rows), cfg.canvas_length), cfg.text.vocab_size, self.model.device,
+                               [r.generator for r in rows])
+        for f in self.features:
+            f.start(rows, tokens, events)
+        return Canvas.start(rows, tokens)
+
+    def _prefilled(self, rows: list[Request], hidden: torch.Tensor) -> None:
+        for f in self.features:
+            f.prefilled(rows, hidden, self.model.lm_head)
+
+    # ---- admission and pruning --------------------------------------------------------------------------
     def admit(self) -> list[Request]:
         """Move requests into the batch while there is room, each with its cache; returns them."""
         room = self.max_batch - (0 if self.batch is None else len(self.batch.rows)) - len(self.prefilling)
@@ -64,7 +157,7 @@ class Scheduler:
         for group in prefill_groups([r for r in fresh if r.id not in long]):
             cache, pads, hidden = prefill(self.model, group, self.pad_id, 2 * self.model.cfg.canvas_length,
                                           own_positions=True)
-            self.prefilled(group, hidden)
+            self._prefilled(group, hidden)
             caches.update((r.id, cache.extract(i, pad, cache.length)) for i, (r, pad) in enumerate(zip(group, pads)))
         joined = [r for r in rows if r.id not in long] + self._prefill_chunks(caches)
         for r in joined:
@@ -93,7 +186,7 @@ class Scheduler:
             part = r.prompt[cache.length:cache.length + self.chunk]
             hidden = self.model.prefill(torch.tensor([part], device=self.model.device), cache, chunk=None)
             if cache.length == len(r.prompt):
-                self.prefilled([r], hidden)
+                self._prefilled([r], hidden)
                 caches[r.id] = cache.extract(0, 0, cache.length)
                 done.append(r)
             else:
@@ -119,13 +212,14 @@ class Scheduler:
 
     def _from_prefix(self, r: Request) -> KVCache | None:
         """The request's cache from the longest cached prefix of its prompt, the rest encoded; at least the last
-        prompt token is encoded for a request that takes its first token from the prefill (early_first_token)."""
-        prompt = r.prompt[:-1] if r.params.early_first_token else r.prompt
+        prompt token is encoded for a request whose features read its prompt's last hidden state."""
+        prompt = r.prompt[:-1] if any(f.wants_prefill(r) for f in self.features) else r.prompt
         cache, n = self.prefix_cache.lookup(prompt, r.params.cache_salt)
         if cache is not None:
             r.stats.t_start, r.stats.cached_tokens = time.perf_counter(), n
             if n < len(r.prompt):
-                self.prefilled([r], self.model.prefill(torch.tensor([r.prompt[n:]], device=self.model.device), cache))
+                hidden = self.model.prefill(torch.tensor([r.prompt[n:]], device=self.model.device), cache)
+                self._prefilled([r], hidden)
         return cache
 
     def tidy(self) -> bool:

@@ -111,7 +111,7 @@ class SpeculativeEngine(AutoregressiveEngine):
         long as the choice is the drafted id; the first choice that is not ends them."""
         tokens = []
         for i in range(span):
-            tokens.append(next_token(row.req, logits[i:i + 1]))
+            tokens.append(next_token(row.req, logits[i:i + 1], tokens))
             if i + 1 == span or tokens[-1] != seq[i + 1]:
                 break
         return tokens

@@ -25,6 +25,7 @@ from dgemma.model.head import Head, embedding_rows
 from dgemma.model.layers import gemm_dtype
 from dgemma.quant import QuantizedWeight
 from dgemma.quant.a8 import quantize_rows
+from dgemma.sampling.processing import Processor, processed_step
 from dgemma.sampling.samplers import StepOutput, entropy_bound_accept, random_tokens, renoise
 
 LOG2E = 1.0 / math.log(2.0)
@@ -255,12 +256,14 @@ class Reuse(NamedTuple):
 
 def fast_step(hidden: Tensor, head: Head, inv_temp: Tensor, entropy_bound: Tensor, generators: list[torch.Generator],
               done: list[bool], want_signal: bool, top_k: list[int | None] | None = None,
-              reuse: Reuse | None = None) -> tuple[StepOutput, Tensor | None]:
+              reuse: Reuse | None = None,
+              process: list[Processor | None] | None = None) -> tuple[StepOutput, Tensor | None]:
     """The fast denoising step for hidden [B, C, H]: `vocab_step`, entropy-bound acceptance, renoising; returns
     the step and the self-conditioning signal [B, C, H] (None when not wanted). Each row draws from its own
     generator (uniforms, then renoise tokens); done rows draw nothing, so a row's random stream does not
     depend on how long the rest of the batch runs. inv_temp, entropy_bound: [B]. `top_k`: each row's sparse
-    soft embedding (None: dense); `reuse`: positions left out (accepted with their previous outputs)."""
+    soft embedding (None: dense); `reuse`: positions left out (accepted with their previous outputs); `process`:
+    each row's sampling knobs (None: none; such a row's step is `processed_step`'s)."""
     bsz, c, h = hidden.shape
     vocab, device = head.vocab_size, hidden.device
     chunk = vocab_chunk(device)
@@ -271,13 +274,21 @@ def fast_step(hidden: Tensor, head: Head, inv_temp: Tensor, entropy_bound: Tenso
         noise[i] = random_tokens((c,), vocab, device, generators[i])
     args = (hidden.reshape(-1, h), head.weight, head.softcap, head.scale, inv_temp.repeat_interleave(c),
             uniforms.flatten(0, 1))
-    if reuse is None and not any(top_k or ()):
+    processed = [i for i, p in enumerate(process or ()) if p is not None and not done[i]]
+    if reuse is None and not any(top_k or ()) and not processed:
         out = vocab_step(*args, want_signal=want_signal, chunk=chunk)
     else:
         ks = torch.tensor([k or 0 for k in top_k or [0] * bsz]).repeat_interleave(c)
-        out = _grouped_step(args, ks, None if reuse is None else ~reuse.skip.flatten().cpu(), want_signal, chunk)
+        keep = torch.ones(bsz, c, dtype=torch.bool) if reuse is None else ~reuse.skip.cpu()
+        keep[processed] = False
+        out = _grouped_step(args, ks, keep.flatten(), want_signal, chunk)
     argmax, sample, entropy = out.argmax.view(bsz, c), out.sample.view(bsz, c), out.entropy.view(bsz, c)
     signal = None if out.signal is None else out.signal.view(bsz, c, h)
+    for i in processed:
+        row = processed_step(hidden[i], head, process[i], inv_temp[i].expand(c), uniforms[i], want_signal)
+        argmax[i], sample[i], entropy[i] = row[:3]
+        if want_signal:
+            signal[i] = row[3]
     if reuse is not None:
         skip = reuse.skip
         argmax, sample = torch.where(skip, reuse.argmax, argmax), torch.where(skip, reuse.tokens, sample)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dgemma.errors import SamplingParamsError
-from dgemma.options import OPT_IN
+from dgemma.knobs import KNOBS
+from dgemma.options import OPTIONS, check_modes
 from dgemma.sampling.constraints import Grammar
 from dgemma.sampling.seeded import Layout
 
@@ -19,9 +20,7 @@ MAX_DENOISING_STEPS = 10_000
 MAX_SEED = 2**64 - 1
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
 MAX_SOFT_TOP_K = 1 << 20
-
-# SamplingParams fields the autoregressive and reference decoders cannot follow
-DIFFUSION_ONLY = ("logprobs", *(o.name for o in OPT_IN))
+OFF = {k.option.name: k.off for k in KNOBS}  # a knob's values that change nothing
 
 
 @dataclass(frozen=True)
@@ -47,12 +46,22 @@ class Limits:
         return out.replace(t_max=min(t, out.t_max), t_min=min(t, out.t_min), ar_temperature=min(t, out.ar_temperature))
 
 
+def _with_options(cls):
+    """One field per declared option (options.OPTIONS), None by default: its declaration is its only mention."""
+    for o in OPTIONS:
+        cls.__annotations__[o.name] = f"{o.type.__name__} | None"
+        setattr(cls, o.name, None)
+    return cls
+
+
 @dataclass(frozen=True)
+@_with_options
 class SamplingParams:
     """Defaults are HF's `_get_default_generation_params` (also the released checkpoint's values).
 
     Temperature at denoising step s (steps remaining, N..1) is t_min + (t_max - t_min) * s / N.
     Unlike HF (which rejects t_max == t_min), a constant schedule t_max == t_min > 0 is allowed.
+    Besides the fields below, every option of `options.OPTIONS` is a field (None: off).
     """
 
     max_new_tokens: int = 256
@@ -70,17 +79,6 @@ class SamplingParams:
     seeded: Layout | None = None  # fixed tokens and holes (sampling/seeded.py); sets max_new_tokens
     logprobs: int | None = None  # report log-probabilities with this many alternatives (sampling/logprobs.py)
     cache_salt: str | None = None  # prefix-cache partition: only prefixes cached under the same salt are reused
-    early_commit: int | None = None  # commit a canvas's left prefix once stable this many steps (sampling/early.py)
-    early_commit_cache: bool | None = None  # with early_commit: the frozen prefix moves into the KV cache
-    early_first_token: bool | None = None  # commit the prefill's next-token choice at once (features/first_token.py)
-    early_stop: float | None = None  # end a canvas once its mean token entropy is below this, stable or not
-    target_canvas_ms: float | None = None  # each canvas's step budget from the engine's measured step time
-    # opt-in savings that change outputs (docs/performance.md): a sparse self-conditioning soft embedding over each
-    # position's k most likely tokens; positions settled for this many steps left out of the step (sampling/fused.py),
-    # and with settled_kv_reuse out of the body too (their keys and values reused: approximate)
-    soft_top_k: int | None = None
-    skip_settled: int | None = None
-    settled_kv_reuse: bool | None = None
 
     def __post_init__(self) -> None:
         # Normalise containers so the object stays hashable: a bare str / int means a 1-tuple.
@@ -93,6 +91,9 @@ class SamplingParams:
             object.__setattr__(self, "eos_token_ids", (eos,) if _is_int(eos) else tuple(eos))
         if isinstance(self.seeded, Layout):
             object.__setattr__(self, "max_new_tokens", max(1, len(self.seeded.tokens)))
+        for o in OPTIONS:
+            if o.normalize is not None and getattr(self, o.name) is not None:
+                object.__setattr__(self, o.name, o.normalize(getattr(self, o.name)))
         self._check()
 
     def _check(self) -> None:
@@ -124,6 +125,9 @@ class SamplingParams:
                 _fail("logprobs with a suffix, template or edit are not supported", "logprobs")
         self._check_speed()
         self._check_savings()
+        for o in OPTIONS:
+            if o.check is not None and getattr(self, o.name) is not None:
+                o.check(getattr(self, o.name), None)
         if self.seeded is not None:
             if not isinstance(self.seeded, Layout):
                 _fail("seeded must be a dgemma.sampling.seeded.Layout", "seeded")
@@ -174,18 +178,22 @@ class SamplingParams:
     def check_decoding(self, mode: str, sampling: str, eos: tuple[int, ...], tokenizer: bool) -> None:
         """What a request asks of its decoding (`mode`, `sampling`) and of the checkpoint (its end-of-sequence ids
         `eos`, whether it has a `tokenizer` for grammars): checked by the API before a request is made and by every
-        engine (runner.make_request). A field only fast diffusion decoding follows: its name in DIFFUSION_ONLY."""
+        engine (runner.make_request). Which field applies to which mode: `options.check_modes`."""
         g, s, fast_diffusion = self.grammar, self.seeded, (mode, sampling) == ("diffusion", "fast")
-        only = next((n for n in DIFFUSION_ONLY if getattr(self, n) is not None and getattr(self, n) is not False), None)
         for broken, message, param in (
                 (g and sampling != "fast", "constrained output needs the fast sampler", g and g.param),
                 (g and not tokenizer, "constrained output needs a tokenizer; this checkpoint has none", g and g.param),
                 (g and not eos, "constrained output needs an end-of-sequence token", g and g.param),
                 (s and not fast_diffusion, "a suffix, template or edit needs fast diffusion decoding", s and s.param),
-                (s and not eos, "a suffix, template or edit needs an end-of-sequence token", s and s.param),
-                (only and not fast_diffusion, f"{only} needs fast diffusion decoding", only)):
+                (s and not eos, "a suffix, template or edit needs an end-of-sequence token", s and s.param)):
             if broken:
                 _fail(message, param)
+        check_modes(self.asked(), mode, sampling)
+
+    def asked(self) -> list[str]:
+        """The fields that are off unless set, set to something other than off."""
+        values = {n: getattr(self, n) for n in ("logprobs", *(o.name for o in OPTIONS))}
+        return [n for n, v in values.items() if v is not None and v is not False and v not in OFF.get(n, ())]
 
     def validate(self, vocab_size: int | None = None, max_context: int | None = None, prompt_len: int = 0,
                  limits: Limits = Limits(), cache_bytes: Callable[[int], int] | None = None) -> None:
@@ -193,6 +201,9 @@ class SamplingParams:
         the context, and the deployment's caps (`cache_bytes`: the model's KV-cache bytes for a context)."""
         if self.seeded is not None:
             self.seeded.check(vocab_size)
+        for o in OPTIONS:
+            if o.check is not None and getattr(self, o.name) is not None:
+                o.check(getattr(self, o.name), vocab_size)
         if vocab_size is not None and self.eos_token_ids and max(self.eos_token_ids) >= vocab_size:
             _fail(f"eos_token_ids={self.eos_token_ids!r} outside the vocabulary (size {vocab_size})", "eos_token_ids")
         check_length("prompt", prompt_len, limits.max_prompt_tokens)

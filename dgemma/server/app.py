@@ -1,6 +1,7 @@
 """Routes and SSE: GET /v1/models, POST /v1/completions and /v1/chat/completions (JSON or an event stream),
 GET /health, GET /metrics (all of it for the metrics key, its own series for an API key). Routes stay thin: checks
-and engine glue live in service.py, wire shapes in protocol.py, keys / Host / body limits in security.py."""
+and engine glue live in service.py, planning.py and generation.py, wire shapes in protocol.py (requests) and
+responses.py, keys / Host / body limits in security.py."""
 
 from __future__ import annotations
 
@@ -21,18 +22,19 @@ from dgemma.chat.tools import assistant_message
 from dgemma.sampling import SamplingParamsError
 from dgemma.server import errors, playground, security
 from dgemma.server.config import ServerConfig
-from dgemma.server.protocol import (
-    ChatCompletionRequest,
+from dgemma.server.generation import Generation
+from dgemma.server.protocol import ChatCompletionRequest, CompletionRequest
+from dgemma.server.responses import (
     ChatCompletionResponse,
-    CompletionRequest,
     CompletionResponse,
     ErrorResponse,
     Health,
     ModelCard,
     ModelList,
     Shapes,
+    knob_cards,
 )
-from dgemma.server.service import Generation, Service
+from dgemma.server.service import Service
 
 DONE = b"data: [DONE]\n\n"
 LARGE_BODY = 64 << 10  # bytes from which a body is parsed off the event loop
@@ -125,7 +127,7 @@ def _routes(api: APIRouter, service: Service) -> None:
     def card() -> dict[str, Any]:
         context = service.model.max_context if service.model is not None else None
         return {"id": name, "object": "model", "created": service.created, "owned_by": "dgemma",
-                "max_model_len": context, "dgemma_defaults": service.defaults()}
+                "max_model_len": context, "dgemma_defaults": service.defaults(), "dgemma_knobs": knob_cards()}
 
     @api.get("/v1/models", response_model=None, responses=_responses(ModelList, 401))
     async def list_models() -> Any:

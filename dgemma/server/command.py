@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from dgemma.errors import DgemmaError
-from dgemma.options import add_model_options, add_threads_option
+from dgemma.options import add_model_options, add_threads_option, apply_threads
 from dgemma.server.config import KEY_ENV, METRICS_KEY_ENV, ServerConfig
 
 log = logging.getLogger("dgemma.server")
@@ -43,11 +43,8 @@ def run(args: argparse.Namespace) -> int:
     from dgemma.server.security import RedactQuery
 
     config = config_from_args(args)
-    _check_model(args.model)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    _check_model(args.model, args.revision)
+    apply_threads(args)
     _setup_logging(config.log_level)
     sock = _bind(config.host, config.port)
     failure: list[str] = []
@@ -110,16 +107,19 @@ def _uvicorn_server(config, service):
     return Server(config)
 
 
-def _check_model(model: str | None) -> None:
-    """Fail before binding when the checkpoint cannot exist (loading itself happens after start-up)."""
+def _check_model(model: str | None, revision: str | None = None) -> None:
+    """Fail before binding when the checkpoint cannot exist, and fetch a repo id that is not cached yet (loading
+    itself happens after start-up)."""
     from dgemma.api import DEMO_MODEL
-    from dgemma.weights import resolve_checkpoint
+    from dgemma.weights import is_gguf, resolve_checkpoint
 
-    if model is None:
-        if not (DEMO_MODEL / "config.json").is_file():
+    if model is None or is_gguf(model):
+        if revision is not None:
+            raise DgemmaError("--revision applies to a Hugging Face repo id")
+        if model is None and not (DEMO_MODEL / "config.json").is_file():
             raise DgemmaError("the bundled demo model is missing from this install; pass --model PATH")
         return
-    resolve_checkpoint(model)
+    resolve_checkpoint(model, revision)
 
 
 def _default_name(model: str | None) -> str:

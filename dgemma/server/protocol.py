@@ -1,5 +1,6 @@
-"""The OpenAI wire format: request models (strict pydantic: no string-to-number coercion, no NaN), the
-response and chunk shapes, and the error object. Field descriptions end up in /openapi.json."""
+"""The OpenAI wire format in: the request models (strict pydantic: no string-to-number coercion, no NaN), which
+check types, shapes and OpenAI's own ranges (SamplingParams checks the rest). Field descriptions end up in
+/openapi.json; the response shapes are in responses.py."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr,
 from pydantic_core import PydanticCustomError
 
 from dgemma.chat import tools as tool_calls
-from dgemma.options import OPT_IN
+from dgemma.options import OPTIONS
 from dgemma.sampling import Grammar, SamplingParamsError
 from dgemma.sampling.params import MAX_LOGPROBS
 from dgemma.server.formats import SEEDED, response_grammar, seeded_options
+from dgemma.server.responses import chat_logprobs, completion_logprobs
 
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
@@ -51,16 +53,6 @@ Renoise = Annotated[float | list[Annotated[list[int], Field(min_length=2, max_le
     "must be a fraction in (0, 1] or a list of [start, end] character spans")]
 
 
-def _text(raw: bytes) -> str:
-    return raw.decode("utf-8", errors="replace")
-
-
-def _best_first(top: dict[str, float]) -> dict[str, float]:
-    """Alternatives by text, best first; tokens with the same text (pieces of characters) keep the best value
-    (the dict was built worst first, so the best overwrote the rest)."""
-    return dict(sorted(top.items(), key=lambda kv: -kv[1]))
-
-
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
@@ -86,10 +78,13 @@ class DgemmaSampling(_Strict):
 
 DgemmaSampling = create_model("DgemmaSampling", __base__=DgemmaSampling, **{  # the opt-in options, declared once
     o.name: (o.type | None, Field(None, description=f"opt-in (changes outputs): {o.help}; omitted: off"))
-    for o in OPT_IN})
+    for o in OPTIONS if o.wire is None})
+_Knobs = create_model("_Knobs", __base__=_Strict, **{  # the sampling knobs, OpenAI's and vLLM's names, declared once
+    o.wire: ((o.wire_type or o.type) | None, Field(None, description=f"{o.help}; omitted: off"))
+    for o in OPTIONS if o.wire is not None})
 
 
-class OpenAIRequest(_Strict):
+class OpenAIRequest(_Knobs):
     """Fields shared by /v1/completions and /v1/chat/completions. Fields OpenAI does not define are kept aside
     (`ignored_fields`) and named in the response's X-Dgemma-Ignored-Fields header."""
 
@@ -104,11 +99,7 @@ class OpenAIRequest(_Strict):
     temperature: float | None = Field(None, ge=0, le=2, description=(
         "denoising temperature schedule from T down to T/2; T < 0.001 (0 included): near-greedy, and without a "
         "seed the seed is 0; omitted: the checkpoint's schedule"))
-    top_p: float | None = Field(None, gt=0, le=1, description="accepted for compatibility; has no effect")
     seed: int | None = Field(None, description="same seed, same output (0 to 2^64 - 1)")
-    presence_penalty: float | None = Field(None, ge=-2, le=2, description="only 0 is supported")
-    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="only 0 is supported")
-    logit_bias: dict[str, float] | None = Field(None, description="only an empty map is supported")
     user: Text | None = None
     cache_salt: Text | None = Field(None, max_length=256, description=(
         "prefix-cache partition (as vLLM's): a request reuses only prompts cached with the same salt (and the same "
@@ -130,13 +121,12 @@ class OpenAIRequest(_Strict):
 
     def unsupported(self) -> tuple[str, str] | None:
         """The first field that asks for a feature this server does not have: (param, what)."""
-        if self.presence_penalty not in (None, 0):
-            return "presence_penalty", "a non-zero presence penalty"
-        if self.frequency_penalty not in (None, 0):
-            return "frequency_penalty", "a non-zero frequency penalty"
-        if self.logit_bias:
-            return "logit_bias", "logit bias"
         return None
+
+    def knobs(self) -> dict[str, Any]:
+        """The sampling knobs set (dgemma/knobs/), as SamplingParams fields."""
+        set_ = {o.name: getattr(self, o.wire) for o in OPTIONS if o.wire is not None}
+        return {name: value for name, value in set_.items() if value is not None}
 
     def grammar(self) -> Grammar | None:
         """The grammar the output must match (chat's response_format); None: free text."""
@@ -155,6 +145,8 @@ class OpenAIRequest(_Strict):
         return None
 
     def format_logprobs(self, entries: list, token_bytes: Any, offset: int) -> dict[str, Any]:
+        """`entries` (token, logprob, alternatives) in this request's logprobs shape (responses.py); `offset`:
+        characters of the choice's text before these tokens."""
         raise NotImplementedError
 
     def ignored_fields(self) -> list[str]:
@@ -193,12 +185,7 @@ class CompletionRequest(OpenAIRequest):
         return self.logprobs
 
     def format_logprobs(self, entries: list, token_bytes: Any, offset: int) -> dict[str, Any]:
-        """The legacy completions shape; `offset`: characters of this choice's text before these tokens."""
-        tokens = [_text(token_bytes(t)) for t, _, _ in entries]
-        offsets = [offset + sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
-        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries], "text_offset": offsets,
-                "top_logprobs": [_best_first({_text(token_bytes(a)): v for a, v in reversed(alts)})
-                                 for _, _, alts in entries]}
+        return completion_logprobs(entries, token_bytes, offset)
 
 
 class TextPart(_Strict):
@@ -307,13 +294,7 @@ class ChatCompletionRequest(OpenAIRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def format_logprobs(self, entries: list, token_bytes: Any, offset: int) -> dict[str, Any]:
-        """The chat shape: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
-        def item(t: int, lp: float) -> dict[str, Any]:
-            raw = token_bytes(t)
-            return {"token": _text(raw), "logprob": lp, "bytes": list(raw)}
-
-        return {"content": [item(t, lp) | {"top_logprobs": [item(a, v) for a, v in alts]}
-                            for t, lp, alts in entries]}
+        return chat_logprobs(entries, token_bytes)
 
     def grammar(self) -> Grammar | None:
         """The tools' grammar when they may be called, else response_format's (formats.response_grammar)."""
@@ -333,133 +314,3 @@ class ChatCompletionRequest(OpenAIRequest):
         """The messages as `Model.encode_prompt` takes them (rendered there by `tool_use()`)."""
         return [{"role": m.role, "content": m.template_content(), "tool_calls": [c.model_dump() for c in
                  m.tool_calls or ()] or None, "tool_call_id": m.tool_call_id} for m in self.messages]
-
-
-# ---- responses (documentation and tests; the routes build them with Shapes) --------------------------------------
-FinishReason = Literal["stop", "length", "tool_calls"]
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: dict[str, Any] | None = None
-    finish_reason: FinishReason | None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"]
-    content: str | None
-    tool_calls: list[dict[str, Any]] | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: dict[str, Any] | None = None
-    finish_reason: FinishReason
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class SamplingDefaults(BaseModel):
-    """What a request gets when it leaves a field out (dgemma extension of the model card)."""
-
-    max_tokens: int
-    max_denoising_steps: int
-    entropy_bound: float
-    t_min: float
-    t_max: float
-    canvas_length: int
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-    max_model_len: int | None = None
-    dgemma_defaults: SamplingDefaults | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"]
-    data: list[ModelCard]
-
-
-class Health(BaseModel):
-    status: Literal["ok"]
-
-
-class ErrorBody(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorBody
-
-
-# ---- builders ----------------------------------------------------------------------------------------------
-class Shapes:
-    """Builds one response's objects, whole (`response`, `answer`) or streamed (`choice`, `usage`): one id,
-    `created` and model for all of them, and one choice shape for both (the models above document them)."""
-
-    def __init__(self, chat: bool, id: str, created: int, model: str, include_usage: bool = False):
-        self.chat, self.include_usage = chat, include_usage
-        self.id, self.created, self.model = id, created, model
-
-    def response(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
-        return self._head("chat.completion" if self.chat else "text_completion", choices) | {"usage": usage}
-
-    def answer(self, index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None,
-               message: dict[str, Any] | None = None, delta: dict[str, Any] | None = None) -> dict[str, Any]:
-        """A choice: a completion's `text`, or chat's `message` (a whole response) or `delta` (a chunk)."""
-        body = {"delta": delta} if delta is not None else {"message": message} if self.chat else {"text": text}
-        return {"index": index} | body | {"logprobs": logprobs, "finish_reason": finish_reason}
-
-    def choice(self, index: int, text: str | None = None, finish_reason: str | None = None, role: bool = False,
-               call: tuple[int, dict[str, Any]] | None = None, logprobs: dict[str, Any] | None = None,
-               **extra: Any) -> dict[str, Any]:
-        """A chunk of one choice. `call`: (its index in the reply, an OpenAI tool call), sent whole as one delta."""
-        delta = None
-        if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            if call is not None:
-                delta = {"tool_calls": [{"index": call[0]} | call[1]]}
-        return self._chunk([self.answer(index, text or "", logprobs, finish_reason, delta=delta) | extra])
-
-    def usage(self, usage: dict[str, int]) -> dict[str, Any]:
-        return self._chunk([]) | {"usage": usage}
-
-    def _head(self, object: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices}
-
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        chunk = self._head("chat.completion.chunk" if self.chat else "text_completion", choices)
-        if self.include_usage:
-            chunk["usage"] = None
-        return chunk

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints: directory / cache resolution, one declared name map, mmap loading with shape checks.
+"""Hugging Face checkpoints: directory / repo id resolution (the hub's part in `weights.hub`), one declared name
+map, mmap loading with shape checks.
 
 A reference checkpoint stores the decoder (`model.decoder.*`); the encoder shares those weights except its
 `layer_scalar` buffers. The vision tower and embedder (`model.encoder.vision_tower.*`, `model.encoder.embed_vision.*`)
@@ -39,24 +40,22 @@ _ENCODER_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.l
 _VISION = {"vision.tower.": "model.encoder.vision_tower.", "vision.embed.": "model.encoder.embed_vision."}
 
 
-def resolve_checkpoint(path_or_repo: str | Path) -> Path:
-    """A local directory, or a Hugging Face repo id already in the local cache (never downloads)."""
+def resolve_checkpoint(path_or_repo: str | Path, revision: str | None = None) -> Path:
+    """A local directory, or a Hugging Face repo id: its cached snapshot, else downloaded (`weights.hub`);
+    `revision` (a branch, tag or commit of the repo) applies to a repo id only."""
     path = Path(path_or_repo).expanduser()
-    if path.is_dir():
-        return path
     name = str(path_or_repo)
+    if path.is_dir():
+        if revision is not None:
+            raise CheckpointError(f"{name} is a local directory: a revision applies to a Hugging Face repo id only")
+        return path
     if path.exists():
         raise CheckpointError(f"{name} is neither a checkpoint directory (with config.json) nor a GGUF file "
                               "(it does not start with the GGUF magic)")
     if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not name.startswith((".", "/")):
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import LocalEntryNotFoundError
+        from dgemma.weights.hub import snapshot
 
-        try:
-            return Path(snapshot_download(name, local_files_only=True))
-        except LocalEntryNotFoundError:
-            raise CheckpointError(f"{name}: no such directory, and not found in the local Hugging Face cache "
-                                  "(dgemma does not download)") from None
+        return snapshot(name, revision)
     raise CheckpointError(f"checkpoint directory not found: {name}")
 
 

@@ -6,5 +6,7 @@ from dgemma.engine.features.base import Feature, Step
 
 
 class Drafts(Feature):
+    name = "drafts"
+
     def settle(self, s: Step) -> None:
         s.canvas.drafts(s.rows, s.events)

@@ -1,10 +1,12 @@
-"""Early commit into the cache (`SamplingParams.early_commit_cache`): a row's frozen prefix (features/early_commit.py)
-is encoded into the row's own KV cache before the next pass, as the canvas's commit would encode it (the encoder
-is causal: those positions' keys and values do not depend on what follows them), and the canvas's own commit
-encodes only the rest. The pass then starts at the smallest moved prefix among its rows; a row that moved more
-keeps the rest of its moved positions in the pass, hidden from the canvas (`DiffusionGemma.denoise(hide=...)`), so
-that what it sees does not depend on its batch-mates. Every frozen position, moved or still held, leaves the head
-work like a settled one (its previous outputs kept, its entropy 0); the canvas's bookkeeping keeps its full width."""
+"""Early commit into the cache (`SamplingParams.early_commit_cache`): a row's frozen prefix (early commit's, which this
+feature requires) is encoded into the row's own KV cache before the next pass, as the canvas's commit would encode it
+(the encoder is causal: those positions' keys and values do not depend on what follows them), and the canvas's own
+commit encodes only the rest (`moved`, the row's slot). The pass then starts at the smallest moved prefix among its
+rows; a row that moved more keeps the rest of its moved positions in the pass, hidden from the canvas
+(`DiffusionGemma.denoise(hide=...)`), so that what it sees does not depend on its batch-mates. Every frozen position,
+moved or still held, leaves the head work like a settled one (its previous outputs kept, its entropy 0); the
+canvas's bookkeeping keeps its full width. Its cost: the ids of a last canvas it encoded (`encoded_early`: the
+defaults never encode a last canvas)."""
 
 from __future__ import annotations
 
@@ -12,47 +14,67 @@ import torch
 from torch import Tensor
 
 from dgemma.engine.batch import Canvas
-from dgemma.engine.request import Request
+from dgemma.engine.features.base import Counter, Feature
+from dgemma.engine.request import Commit, Event, Request
+from dgemma.engine.runner import Pass
 from dgemma.model import DiffusionGemma
-from dgemma.sampling.fused import Reuse
 
 # A move is one more encoder pass (every weight read once more, however few its tokens): frozen positions wait
 # until they are at least 1 / MOVE_SHARE of the canvas (or the canvas ends without them).
 MOVE_SHARE = 8
 
 
-def move(model: DiffusionGemma, rows: list[Request], cv: Canvas, caches: list) -> None:
-    """Encode each opted-in live row's frozen, not yet moved ids (its committed text) into its cache, rows with as
-    many to move together."""
-    least = max(1, cv.tokens.shape[1] // MOVE_SHARE)
-    going: dict[int, list[int]] = {}
-    for i, r in enumerate(rows):
-        if r.params.early_commit_cache and not r.finished and not cv.done[i] and r.sent - r.moved >= least:
-            going.setdefault(r.sent - r.moved, []).append(i)
-    for group in going.values():
-        ids = torch.stack([cv.argmax[i, rows[i].moved:rows[i].sent] for i in group])
-        model.encode(ids, [caches[i] for i in group])
-        for i in group:
-            rows[i].moved = rows[i].sent
+class EarlyCommitCache(Feature):
+    name = "early_commit_cache"
+    requires = ("early_commit",)
+    counters = (Counter("skipped_head_rows", "vocab_row"), Counter("skipped_soft_rows", "vocab_row"),
+                Counter("skipped_body_rows", "canvas_body_row"), Counter("encoded_early", "encoded_id", saves=False))
 
+    def moved(self, req: Request) -> int:
+        return self.of(req) or 0
 
-def denoise(model: DiffusionGemma, rows: list[Request], cv: Canvas, caches: list,
-            reuse: Reuse | None) -> tuple[Tensor, Reuse] | None:
-    """The decoder pass [B, C, H] over the positions no row moved (zeros for the others) and what the step leaves
-    out: `reuse` and every opted-in row's frozen positions (held ones too: their head work decides nothing); None
-    when no row has any."""
-    held = [r.sent if r.params.early_commit_cache else 0 for r in rows]
-    if not any(held):
-        return None
-    moved = [r.moved for r in rows]
-    low = min(moved)
-    signal = None if cv.signal is None else cv.signal[:, low:]
-    hidden = model.denoise(cv.tokens[:, low:], caches, signal, hide=[m - low for m in moved])
-    hidden = torch.nn.functional.pad(hidden, (0, 0, low, 0))
-    device = hidden.device
-    skip = torch.arange(cv.tokens.shape[1], device=device)[None] < torch.tensor(held, device=device)[:, None]
-    _count(rows, cv, low, skip if reuse is None else skip & ~reuse.skip)  # settled positions count already
-    return hidden, Reuse(skip if reuse is None else skip | reuse.skip, cv.argmax, cv.tokens, cv.signal)
+    def start(self, rows: list[Request], tokens: Tensor, events: list[Event]) -> None:
+        for r in rows:
+            self.drop(r)
+
+    def shape(self, p: Pass, model: DiffusionGemma) -> None:
+        self._move(p, model)
+        self._narrow(p)
+
+    def commit(self, req: Request, c: Commit) -> None:
+        if c.finish is not None:  # its last canvas: what moved was encoded early
+            req.stats.add("encoded_early", self.moved(req))
+
+    def _move(self, p: Pass, model: DiffusionGemma) -> None:
+        """Encode each opted-in live row's frozen, not yet moved ids (its committed text) into its cache, rows with
+        as many to move together."""
+        cv, rows, sent = p.canvas, p.rows, self.needs["early_commit"].sent
+        least = max(1, cv.tokens.shape[1] // MOVE_SHARE)
+        going: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            if r.params.early_commit_cache and not r.finished and not cv.done[i] and sent(r) - self.moved(r) >= least:
+                going.setdefault(sent(r) - self.moved(r), []).append(i)
+        for group in going.values():
+            ids = torch.stack([cv.argmax[i, self.moved(rows[i]):sent(rows[i])] for i in group])
+            model.encode(ids, [p.caches[i] for i in group])
+            for i in group:
+                self.put(rows[i], sent(rows[i]))
+
+    def _narrow(self, p: Pass) -> None:
+        """The pass runs on the positions no row moved (from the smallest moved prefix; each row hides the rest of
+        its own) and leaves every opted-in row's frozen positions out of the head work (held ones too: their head
+        work decides nothing)."""
+        cv, sent = p.canvas, self.needs["early_commit"].sent
+        held = [sent(r) if r.params.early_commit_cache else 0 for r in p.rows]
+        if not any(held):
+            return
+        moved = [self.moved(r) for r in p.rows]
+        p.start = low = min(moved)
+        p.hide = [m - low for m in moved]
+        device = cv.tokens.device
+        skip = torch.arange(cv.tokens.shape[1], device=device)[None] < torch.tensor(held, device=device)[:, None]
+        _count(p.rows, cv, low, skip if p.skip is None else skip & ~p.skip)  # settled positions count already
+        p.skip = skip if p.skip is None else skip | p.skip
 
 
 def _count(rows: list[Request], cv: Canvas, low: int, skip: Tensor) -> None:
@@ -61,6 +83,6 @@ def _count(rows: list[Request], cv: Canvas, low: int, skip: Tensor) -> None:
     wanted_signal = not cv.last_step(rows)
     for r, done, n in zip(rows, cv.done, skip.sum(1).tolist()):
         if not done:
-            r.stats.skipped_body_rows += low
-            r.stats.skipped_head_rows += n
-            r.stats.skipped_soft_rows += n * wanted_signal
+            r.stats.add("skipped_body_rows", low)
+            r.stats.add("skipped_head_rows", n)
+            r.stats.add("skipped_soft_rows", n * wanted_signal)

@@ -10,6 +10,8 @@ from dgemma.sampling.early import confident
 
 
 class EarlyStop(Feature):
+    name = "early_stop"
+
     def settle(self, s: Step) -> None:
         live = [i for i, r in enumerate(s.rows)
                 if r.params.early_stop is not None and not r.finished and not s.canvas.done[i]]

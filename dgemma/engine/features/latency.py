@@ -1,7 +1,7 @@
-"""Latency target: once the engine has measured its step time (`Step.step_seconds`), each canvas of a request
-with `target_canvas_ms` gets the step budget that fits it (`max_denoising_steps`, capped by the request's own)
-and the temperature schedule of that budget (`Canvas.reschedule`), after its first step; every schedule starts at
-t_max, so that first step is the same either way. The rule: sampling/latency.py."""
+"""Latency target (`target_canvas_ms`): once the engine has measured its step time (`Step.step_seconds`), each
+canvas of a request that asks gets the step budget that fits it (`max_denoising_steps`, capped by the request's own,
+which its slot keeps) and the temperature schedule of that budget (`Canvas.reschedule`), after its first step;
+every schedule starts at t_max, so that first step is the same either way. The rule: sampling/latency.py."""
 
 from __future__ import annotations
 
@@ -21,22 +21,25 @@ class Budget:
 
 
 class LatencyTarget(Feature):
-    def attach(self, req: Request, runner) -> None:
+    name = "target_canvas_ms"
+
+    def attach(self, req: Request, engine) -> None:
         if req.params.target_canvas_ms is not None:  # what it needs: SamplingParams.check_decoding
-            req.latency = Budget(req.params.max_denoising_steps)
+            self.put(req, Budget(req.params.max_denoising_steps))
 
     def start(self, rows: list[Request], tokens: Tensor, events: list[Event]) -> None:
         """A new canvas starts under the request's own cap (Canvas.start reads it), not the last canvas's budget:
         a budget of one would make its first step the last, its self-conditioning signal never computed."""
         for r in rows:
-            if r.latency is not None:
-                r.params, r.latency.chosen = r.params.replace(max_denoising_steps=r.latency.cap), False
+            if (b := self.of(r)) is not None:
+                r.params, b.chosen = r.params.replace(max_denoising_steps=b.cap), False
 
     def settle(self, s: Step) -> None:
         if s.step_seconds is None:
             return
         for i, r in enumerate(s.rows):
-            if r.latency is not None and not r.latency.chosen and not r.finished and not s.canvas.done[i]:
-                steps = step_budget(r.params.target_canvas_ms, s.step_seconds, r.latency.cap)
-                r.params, r.latency.chosen = r.params.replace(max_denoising_steps=steps), True
+            b = self.of(r)
+            if b is not None and not b.chosen and not r.finished and not s.canvas.done[i]:
+                steps = step_budget(r.params.target_canvas_ms, s.step_seconds, b.cap)
+                r.params, b.chosen = r.params.replace(max_denoising_steps=steps), True
                 s.canvas.reschedule(i, r.params)

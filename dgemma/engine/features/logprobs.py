@@ -1,18 +1,26 @@
-"""Log-probabilities of committed tokens: for each row that asks, computed at the step its canvas ends, from that
-step's hidden states (what they mean: sampling/logprobs.py); `Request.commit` attaches them to the commit."""
+"""Log-probabilities of committed tokens (`SamplingParams.logprobs`): for each row that asks, computed at the step its
+canvas ends, from that step's hidden states (what they mean: sampling/logprobs.py), kept in the row's slot until
+its commit takes them."""
 
 from __future__ import annotations
 
 from dgemma.engine.features.base import Feature, Step
+from dgemma.engine.request import Commit, Request
 from dgemma.sampling.logprobs import canvas_logprobs
 
 
 class Logprobs(Feature):
+    name = "logprobs"
+
     def settle(self, s: Step) -> None:
         if not any(r.params.logprobs is not None for r in s.rows):
             return
         ending, inv_temp = s.ending(), s.inv_temp.tolist()
         for i, r in enumerate(s.rows):
-            if r.params.logprobs is not None and ending[i] and r.canvas_logprobs is None and not r.finished:
-                r.canvas_logprobs = canvas_logprobs(s.hidden[i], s.canvas.argmax[i].tolist(), s.head, inv_temp[i],
-                                                    r.params.logprobs)
+            if r.params.logprobs is not None and ending[i] and self.of(r) is None and not r.finished:
+                self.put(r, canvas_logprobs(s.hidden[i], s.canvas.argmax[i].tolist(), s.head, inv_temp[i],
+                                            r.params.logprobs))
+
+    def commit(self, req: Request, c: Commit) -> None:
+        c.logprobs = self.of(req)
+        self.drop(req)

@@ -49,6 +49,7 @@ async function loadModel() {
     $("model-status").textContent = `model ${card.id} · canvas ${d.canvas_length} tokens · context ` +
       `${card.max_model_len} tokens`;
     view.setLength(d.canvas_length);
+    buildKnobs(card.dgemma_knobs || []);
     fillDefaults();
     clearError();
     setState("idle");
@@ -67,6 +68,36 @@ function fillDefaults() {
   const d = state.model.dgemma_defaults;
   for (const [id, name] of Object.entries(PARAMS)) $(id).value = d[name];
   $("seed").value = "";
+  for (const knob of state.model.dgemma_knobs || []) $(`knob-${knob.name}`).value = "";
+}
+
+// The server's sampling knobs (the model card lists them): one input each, empty means off.
+function buildKnobs(knobs) {
+  const box = $("knobs");
+  box.replaceChildren();
+  for (const knob of knobs) {
+    const div = document.createElement("div");
+    const label = document.createElement("label");
+    const input = document.createElement("input");
+    input.id = label.htmlFor = `knob-${knob.name}`;
+    label.textContent = knob.name.replaceAll("_", " ");
+    input.title = knob.help;
+    input.placeholder = knob.type === "map" ? "id:bias, id:bias" : "off";
+    if (knob.type !== "map") Object.assign(input, { type: "number", step: "any", inputMode: "decimal" });
+    div.append(label, input);
+    box.append(div);
+  }
+}
+
+function knobValues() {
+  const out = {};
+  for (const knob of state.model.dgemma_knobs || []) {
+    const text = $(`knob-${knob.name}`).value.trim();
+    if (text === "") continue;
+    out[knob.name] = knob.type === "map" ? Object.fromEntries(text.split(",").map((pair) =>
+      pair.split(":").map((s) => s.trim())).map(([id, bias]) => [id, Number(bias)])) : Number(text);
+  }
+  return out;
 }
 
 function number(id) {
@@ -78,7 +109,7 @@ function requestBody() {
   const body = { model: state.model.id, stream: true, stream_options: { include_usage: true }, dgemma_drafts: true,
                  max_tokens: number("max-tokens"), seed: number("seed"), dgemma_sampling: {} };
   for (const id of ["steps", "t-max", "t-min", "entropy-bound"]) body.dgemma_sampling[PARAMS[id]] = number(id);
-  return body;  // undefined fields are left out by JSON.stringify: the server uses the checkpoint's
+  return Object.assign(body, knobValues());  // undefined fields are left out by JSON.stringify: the server uses the checkpoint's
 }
 
 // ---- conversation ------------------------------------------------------------------------------------------
