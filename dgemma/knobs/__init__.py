@@ -9,7 +9,7 @@ import importlib
 
 from dgemma.knobs.base import Knob
 
-NAMES = ("logit_bias", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p", "top_k")
+NAMES = ("logit_bias", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p", "top_k", "top_p")
 KNOBS: tuple[Knob, ...] = tuple(importlib.import_module(f"dgemma.knobs.{name}").KNOB for name in NAMES)
 
 __all__ = ["KNOBS", "Knob"]
