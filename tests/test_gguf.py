@@ -329,3 +329,16 @@ def test_a_file_written_by_llama_cpps_converter():
     tok = model.tokenizer
     assert tok.decode(tok.encode("Hello é world!", add_bos=False)) == "Hello é world!"
     assert model.defaults.max_denoising_steps == 12 and model.module.cfg.canvas_length == 8
+
+
+def test_serve_accepts_a_gguf_file_before_binding(tmp_path):
+    """`dgemma serve --model x.gguf` checks its model before it binds: a GGUF file is one (it was refused as
+    "neither a checkpoint directory nor a GGUF file"), and --revision with it is a one-line error."""
+    from dgemma.errors import DgemmaError
+    from dgemma.server.command import _check_model
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF" + bytes(60))
+    _check_model(str(path))
+    with pytest.raises(DgemmaError, match="--revision applies to a Hugging Face repo id"):
+        _check_model(str(path), "main")
