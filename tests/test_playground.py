@@ -141,6 +141,30 @@ def test_completion_tab_and_replay(server, page):
     assert page.problems == []
 
 
+def test_sampling_knobs_come_from_the_model_card_and_reach_the_request(server, page):
+    _open(page, server.url)
+    names = [k["name"] for k in httpx.get(server.url + "/v1/models").json()["data"][0]["dgemma_knobs"]]
+    assert {"top_p", "top_k", "min_p", "repetition_penalty", "logit_bias"} <= set(names)
+    assert all(page.locator(f"#knob-{name}").count() == 1 for name in names)  # an input per knob, none by hand
+    page.click(".knobs summary")
+    page.click("#tab-completion")
+    page.fill("#seed", "3")
+    page.fill("#max-tokens", "12")
+    page.fill("#knob-top_k", "5")
+    page.fill("#knob-repetition_penalty", "1.3")
+    page.fill("#knob-logit_bias", "7: -100, 9: 2")
+    _send(page, "Once upon a time")
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "Once upon a time", "seed": 3, "max_tokens": 12,
+                                                         "top_k": 5, "repetition_penalty": 1.3,
+                                                         "logit_bias": {"7": -100, "9": 2}})
+    assert page.text_content("#completion-out .text") == r.json()["choices"][0]["text"]
+    plain = httpx.post(server.url + "/v1/completions", json={"prompt": "Once upon a time", "seed": 3, "max_tokens": 12})
+    assert plain.json()["choices"][0]["text"] != r.json()["choices"][0]["text"]  # the knobs changed the answer
+    page.click("#defaults")
+    assert page.input_value("#knob-top_k") == ""
+    assert page.problems == []
+
+
 def test_stop_aborts_the_request_on_the_server(server, page):
     _open(page, server.url)
     aborted = server.service.metrics.total.finished.values["abort"]

@@ -165,27 +165,36 @@ def test_the_engine_refuses_what_its_decoding_cannot_follow_with_the_api_message
         model.generate([5, 6], mode="autoregressive", logprobs=2)
     with pytest.raises(SamplingParamsError) as engine:
         model.runner("autoregressive").add_request([5, 6], model.params(logprobs=2))
-    assert str(api.value) == str(engine.value) == "logprobs needs fast diffusion decoding"
+    assert str(api.value) == str(engine.value) == "logprobs applies to diffusion decoding, not to autoregressive decoding"
 
 
-def test_each_opt_in_option_is_declared_once_and_reaches_every_front_end():
-    """options.OPT_IN makes the CLI flag and the dgemma_sampling field; each names a SamplingParams field that is
-    off by default and refused outside fast diffusion decoding."""
+def test_each_option_is_declared_once_and_reaches_every_front_end():
+    """options.OPTIONS makes the SamplingParams field, the CLI flag and the request field (dgemma_sampling's, or
+    a top-level one for a knob); each is off by default; the opt-in ones are refused outside fast diffusion."""
     import dataclasses
 
     from dgemma.cli import build_parser
-    from dgemma.options import OPT_IN
-    from dgemma.sampling.params import DIFFUSION_ONLY, SamplingParams
-    from dgemma.server.protocol import DgemmaSampling
+    from dgemma.options import OPT_IN, OPTIONS
+    from dgemma.sampling.params import SamplingParams
+    from dgemma.server.protocol import ChatCompletionRequest, DgemmaSampling
 
     defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
-    assert len(OPT_IN) >= 6
-    for o in OPT_IN:
-        assert defaults[o.name] is None and o.name in DIFFUSION_ONLY
-        value = True if o.type is bool else o.type(2)
-        argv = ["generate", "x", o.flag] + ([] if o.type is bool else [str(value)])
-        assert getattr(build_parser(argv).parse_args(argv), o.name) == value
-        assert DgemmaSampling.model_validate({o.name: value}).overrides() == {o.name: value}
+    assert len(OPT_IN) >= 6 and len(OPTIONS) >= len(OPT_IN) + 7
+    for o in OPTIONS:
+        assert defaults[o.name] is None
+        value = True if o.type is bool else {3: 1.5} if o.type is dict else o.type(1)
+        word = [] if o.type is bool else ["3=1.5"] if o.type is dict else [str(value)]
+        argv = ["generate", "x", o.flag, *word]
+        stored = o.normalize or (lambda v: v)
+        assert stored(getattr(build_parser(argv).parse_args(argv), o.name)) == stored(value)
+        if o.wire is None:
+            assert o.modes == ("diffusion",)
+            assert DgemmaSampling.model_validate({o.name: value}).overrides() == {o.name: value}
+        else:
+            wire = {str(k): v for k, v in value.items()} if o.type is dict else value
+            body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                         o.wire: wire})
+            assert {k: stored(v) for k, v in body.knobs().items()} == {o.name: stored(value)}
 
 
 def test_a_diffusion_only_field_set_to_off_is_not_refused_elsewhere():
@@ -194,5 +203,5 @@ def test_a_diffusion_only_field_set_to_off_is_not_refused_elsewhere():
 
     SamplingParams(settled_kv_reuse=False).check_decoding("autoregressive", "fast", (1,), True)
     for asked in ({"settled_kv_reuse": True, "skip_settled": 1}, {"logprobs": 0}, {"early_commit": 1}):
-        with pytest.raises(SamplingParamsError, match="needs fast diffusion decoding"):
+        with pytest.raises(SamplingParamsError, match="applies to diffusion decoding"):
             SamplingParams(**asked).check_decoding("autoregressive", "fast", (1,), True)
