@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dgemma.image_limits import ImageLimits
-from dgemma.sampling import SamplingParamsError
+from dgemma.errors import SamplingParamsError
 
 FORMATS = ("PNG", "JPEG", "GIF", "WEBP")
 MEDIA_TYPES = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "gif": "GIF", "webp": "WEBP"}  # data:image/<subtype>

@@ -6,9 +6,9 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from dgemma.chat.spans import caller_spans
 from dgemma.errors import CheckpointError, DgemmaError
 from dgemma.jsonfile import read_json  # noqa: F401 (also imported from here)
+from dgemma.template_spans import caller_spans
 
 
 class Tokenizer:
