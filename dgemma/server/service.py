@@ -193,7 +193,11 @@ class Service:
 
 
 def _lower_priority() -> None:
-    """An image thread yields the CPU to the engine and to text prompts (Linux: a thread's own nice value)."""
+    """An image thread yields the CPU to the engine and to text prompts (Linux: a thread's own nice value), and
+    its torch ops (the vision tower) use half the cores at most (torch's thread count is per thread)."""
+    import torch
+
+    torch.set_num_threads(max(1, torch.get_num_threads() // 2))
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except (AttributeError, OSError):  # not Linux, or not allowed: same priority
