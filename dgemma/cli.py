@@ -38,7 +38,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompt_ids is None):
         raise DgemmaError("give a PROMPT or --prompt-ids, not both and not neither")
     _check_mode_options(args)
-    prompt = args.prompt if args.prompt_ids is None else _parse_ids(args.prompt_ids)
+    text = sys.stdin.read().removesuffix("\n") if args.prompt == "-" else args.prompt  # -: a pipe's text
+    prompt = text if args.prompt_ids is None else _parse_ids(args.prompt_ids)
     if args.image and not isinstance(prompt, str):
         raise DgemmaError("--image goes with a PROMPT text, not --prompt-ids")
     if args.image:  # one user turn: the images, then the text
@@ -156,7 +157,7 @@ def _parse_ids(text: str) -> list[int]:
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt",
                        description="Generate with block diffusion (or autoregressively) from a prompt.")
-    p.add_argument("prompt", nargs="?", help="prompt text")
+    p.add_argument("prompt", nargs="?", help="prompt text (- reads it from standard input)")
     p.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 2,651,1024")
     add_model_options(p)
     add_threads_option(p)
@@ -221,9 +222,19 @@ def _add_request_options(p: argparse.ArgumentParser) -> None:
                            help=f"opt-in: {o.help} (default off)" if o.opt_in else o.help)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dgemma")
+    except PackageNotFoundError:  # run from a checkout that was not installed
+        return "unknown"
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dgemma", description="Run, serve and fine-tune DiffusionGemma models.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--version", action="version", version=f"dgemma {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("info", help="load a checkpoint and describe it")
     add_model_options(p)

@@ -153,6 +153,7 @@ class Model:
 
     # ---- description ------------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
+        """What `dgemma info` prints: the checkpoint's shape, dtype, quantization, tokenizer and vision tower."""
         cfg = self.module.cfg
         t = cfg.text
         return {
@@ -165,4 +166,13 @@ class Model:
             "experts": f"{t.top_k_experts} of {t.num_experts}", "canvas_length": cfg.canvas_length,
             "sliding_window": t.sliding_window, "max_context": t.max_position_embeddings,
             "tokenizer": self.tokenizer is not None, "eos_token_ids": list(self.defaults.eos_token_ids or ()),
+            "vision_tower": _vision(self.module),
         }
+
+
+def _vision(module) -> str | None:
+    """The vision tower in a word: None without one (the checkpoint takes text only)."""
+    if module.vision is None:
+        return None
+    params = sum(p.numel() for p in module.vision.parameters())
+    return f"{params:,} parameters in {module.cfg.vision.num_hidden_layers} layer(s)"
