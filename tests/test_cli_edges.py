@@ -29,3 +29,20 @@ def test_info_names_the_vision_tower(capsys):
     assert main(["info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["vision_tower"].endswith("in 1 layer(s)") and int(info["vision_tower"].split()[0].replace(",", "")) > 0
+
+
+def test_written_weights_are_readable_like_every_other_file(tmp_path):
+    """safetensors writes 0600; a checkpoint dgemma writes gets the process's default mode (0666 less the umask)."""
+    import os
+
+    import dgemma
+    from dgemma.weights import save_model
+
+    umask = os.umask(0o022)
+    try:
+        out = save_model(dgemma.load(dtype="float32").module, tmp_path / "ckpt")
+        assert main(["quantize", "--to", "int8", "--out", str(tmp_path / "q")]) == 0
+    finally:
+        os.umask(umask)
+    for f in [out / "model.safetensors", *(tmp_path / "q").glob("*.safetensors")]:
+        assert oct(os.stat(f).st_mode & 0o777) == oct(0o644), f

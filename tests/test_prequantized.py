@@ -247,7 +247,7 @@ def test_dgemma_quantize_leaves_nothing_on_failure(float_ckpt, tmp_path, monkeyp
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(compressed, "save_file", broken)
+    monkeypatch.setattr(compressed, "save_tensors", broken)
     model = dgemma.load(float_ckpt, quantize="int4").module
     with pytest.raises(OSError):
         compressed.save_compressed(model, float_ckpt, out)

@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from dgemma.errors import ConfigError, DgemmaError
 from dgemma.sampling.params import SamplingParams
 from dgemma.jsonfile import read_json
+from dgemma.weights.files import save_tensors
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model")
@@ -57,7 +58,7 @@ def save_state(root: Path, step: int, weights: dict[str, torch.Tensor], extra: d
                meta: dict[str, Any], keep: int) -> Path:
     """Write one training state and point `latest` at it; keep the newest `keep` states."""
     tmp = _fresh_tmp(root, step)
-    save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(tmp / "trainable.safetensors"))
+    save_tensors({k: v.detach().cpu().contiguous() for k, v in weights.items()}, tmp / "trainable.safetensors")
     return _commit(root, tmp, extra, meta, keep)
 
 

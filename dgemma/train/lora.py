@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from dgemma.errors import DgemmaError
+from dgemma.weights.files import readable
 
 
 def _module_regex(model: torch.nn.Module, suffixes: list[str]) -> str:
@@ -44,6 +45,7 @@ def save_adapter(peft_model, directory: Path, base: str | None, state_dict: dict
     """`state_dict`: the adapter's weights gathered from sharded ranks (default: the model's own)."""
     peft_model.peft_config["default"].base_model_name_or_path = base
     peft_model.save_pretrained(str(directory), state_dict=state_dict)
+    readable(directory)
 
 
 def merge_adapter(model: torch.nn.Module, adapter_dir: str | Path) -> torch.nn.Module:

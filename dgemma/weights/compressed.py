@@ -16,11 +16,11 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from dgemma.errors import DgemmaError
 from dgemma.quant import IntWeight, NVFP4Weight, QuantizedWeight, unpack_int4
 from dgemma.quant.int4cpu import CPUInt4Weight
+from dgemma.weights.files import save_tensors
 from dgemma.weights.hf import checkpoint_name
 
 SHARD_BYTES = 2 << 30
@@ -151,7 +151,7 @@ def _write(model, source: Path, tmp: Path) -> None:
     weight_map = {}
     for i, tensors in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+        save_tensors(tensors, tmp / file, metadata={"format": "pt"})
         weight_map.update({n: file for n in tensors})
     (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}) + "\n")
     config = json.loads((source / "config.json").read_text())

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from dgemma.config import ModelConfig
 from dgemma.errors import CheckpointError, ConfigError
@@ -27,6 +26,7 @@ from dgemma.jsonfile import read_json
 from dgemma.model import DiffusionGemma
 from dgemma.quant import QuantizedWeight, QuantSpec
 from dgemma.weights.prequantized import detect, plan
+from dgemma.weights.files import save_tensors
 from dgemma.weights.prequantized import read as read_prequantized
 from dgemma.weights.quantize import bits_for, install, quantize_view
 
@@ -333,7 +333,7 @@ def save_model(model: DiffusionGemma, directory: str | Path, dtype: torch.dtype 
         t = tensor.detach().to("cpu", dtype or tensor.dtype).contiguous()
         tensors[checkpoint_name(name)] = t
     tmp = directory / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    save_tensors(tensors, tmp, metadata={"format": "pt"})
     tmp.replace(directory / "model.safetensors")
     config = model.cfg.to_hf()
     config["dtype"] = str(dtype or model.dtype).removeprefix("torch.")
