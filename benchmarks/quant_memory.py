@@ -32,7 +32,7 @@ def one(model: str | None, scheme: str) -> dict:
 
     sys.path.insert(0, str(ROOT))
     import dgemma
-    from dgemma.bench.runners import tensor_bytes
+    from dgemma.bench.trials import tensor_bytes
 
     torch.set_num_threads(1)
     base = rss("VmRSS")

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from dgemma import bench
-from dgemma.bench import flops, report, runners
+from dgemma.bench import flops, report, trials
 from dgemma.bench.command import plan
 from dgemma.bench.job import FIXED_STEPS_THRESHOLD, Job
 from dgemma.config import ModelConfig, TextConfig
@@ -212,10 +212,10 @@ def test_bounds_use_the_steps_each_row_ran(ckpt):
 def test_isolated_worker_returns_its_json(ckpt):
     job = Job("autoregressive", "float32", 1, str(ckpt), "cpu", prompt_len=3, max_new_tokens=4, steps=None,
               repeats=1, warmup=0, seed=0, sampling="fast", ignore_eos=True, threads=1)
-    out = runners.run_isolated(job, timeout=300)
+    out = trials.run_isolated(job, timeout=300)
     assert "error" not in out, out.get("error")
     assert [s["tokens"] for s in out["samples"]] == [[4]] and out["peak_rss_bytes"] > 0
-    assert runners.pool([out])["tokens"] == 4
+    assert trials.pool([out])["tokens"] == 4
 
 
 def test_pool_merges_rounds():
@@ -224,11 +224,11 @@ def test_pool_merges_rounds():
                   "ttft_seconds": seconds / 2}
         return {"engine": "dgemma", "samples": [sample], "peak_rss_bytes": peak, "weights_bytes": 10}
 
-    run = runners.pool([out(1.0, 100), out(3.0, 300), out(2.0, 200)])
+    run = trials.pool([out(1.0, 100), out(3.0, 300), out(2.0, 200)])
     assert run["seconds"] == 2.0 and run["seconds_all"] == [1.0, 3.0, 2.0] and run["tokens_per_second"] == 4.0
     assert run["peak_rss_bytes"] == 300 and run["extra_memory_bytes"] == 290 and run["rounds"] == 3
     assert "samples" not in run
-    assert runners.pool([out(1.0, 100), {"engine": "dgemma", "error": "boom"}]) == {"engine": "dgemma", "error": "boom"}
+    assert trials.pool([out(1.0, 100), {"engine": "dgemma", "error": "boom"}]) == {"engine": "dgemma", "error": "boom"}
 
 
 def test_importing_the_command_does_not_import_torch():

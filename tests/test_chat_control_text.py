@@ -1,6 +1,6 @@
 """Text from the caller that spells a control token stays text: only the chat template makes control tokens (an
 attacker's `<eos>` or `<start_of_turn>` cannot end its turn or open a model turn), on every path: messages, text
-beside an image, tool calls / results / declarations, and a seeded canvas's text. Each piece of text is found
+beside an image, tool calls / results / declarations, and a layout canvas's text. Each piece of text is found
 where the template really wrote it, however often the chat spells the same text."""
 
 import json
@@ -175,7 +175,7 @@ def test_server_messages_take_the_same_path(tiny):
 def test_seeded_canvas_text_stays_text(tiny, options):
     """A suffix, template or draft is output text: its control-token spellings stay text (as the output it
     echoes decodes them)."""
-    layout = tiny.params(max_new_tokens=4, **options).seeded
+    layout = tiny.params(max_new_tokens=4, **options).layout
     fixed = [t for t in layout.tokens if t >= 0]
     assert controls(tiny.tokenizer, fixed) == []
     assert "<eos>" in tiny.tokenizer.decode(fixed)

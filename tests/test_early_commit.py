@@ -203,10 +203,10 @@ def test_a_call_that_runs_no_step_does_not_count_as_a_step_time(model):
 
 
 def test_the_frozen_prefix_rule_against_a_loop():
-    """frozen_length / settled / stable_runs against the rule written position by position."""
+    """early_length / settled / stable_runs against the rule written position by position."""
     import torch
 
-    from dgemma.sampling.early import frozen_length, settled, stable_runs
+    from dgemma.sampling.early import decided, early_length, stable_runs
 
     g = torch.Generator().manual_seed(0)
     prev, argmax = torch.randint(0, 4, (64, 12), generator=g), torch.randint(0, 4, (64, 12), generator=g)
@@ -216,8 +216,8 @@ def test_the_frozen_prefix_rule_against_a_loop():
     old, run = run, stable_runs(prev, argmax, accepted, run)
     assert all(run[b, n] == (old[b, n] + 1 if argmax[b, n] == prev[b, n] and accepted[b, n] else 0)
                for b in range(64) for n in range(12))
-    frozen = frozen_length(run, argmax, need, eos, limit)
-    done = settled(run, argmax, need, eos, frozen, limit)
+    frozen = early_length(run, argmax, need, eos, limit)
+    done = decided(run, argmax, need, eos, frozen, limit)
     for b in range(64):
         n = 0
         while n < 12 and run[b, n] >= need[b] and int(argmax[b, n]) not in eos[b].tolist():
@@ -299,7 +299,7 @@ def test_the_cache_holds_what_a_plain_commit_of_the_final_ids_gives(model32, mon
     while not moved:
         canvases = len(req.stats.steps_per_canvas)
         engine.step()
-        moved = req.moved if len(req.stats.steps_per_canvas) > canvases else 0
+        moved = req.cached_early if len(req.stats.steps_per_canvas) > canvases else 0
     engine.step()  # the turnover encodes what the commit left, then the next canvas's first pass runs
     assert len(req.output) % c == 0 and not req.finished
     assert len(encodes) >= 2 and [t for ids in encodes for t in ids[0]] == req.output  # moved early, then the rest
@@ -338,7 +338,7 @@ def test_each_step_leaves_out_of_the_head_exactly_the_committed_prefix(model32, 
     seen, real = [], engine_module.fast_step
 
     def spy(*args, reuse=None, **kw):
-        seen.append((req.sent, None if reuse is None else reuse.skip[0].tolist()))
+        seen.append((req.committed_early, None if reuse is None else reuse.skip[0].tolist()))
         return real(*args, reuse=reuse, **kw)
 
     monkeypatch.setattr(engine_module, "fast_step", spy)

@@ -1,4 +1,4 @@
-"""The engines' contracts: per-request EOS, the reference runner's fixed batch, one host read per denoising step,
+"""The engines' contracts: per-request EOS, the reference engine's fixed batch, one host read per denoising step,
 tensors and generators made on the model's device, autoregressive decoding through the same interface."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 import dgemma
 import dgemma.sampling.fused as fused
-from dgemma.engine import AutoregressiveEngine, Engine, ReferenceRunner
+from dgemma.engine import AutoregressiveEngine, Engine, ReferenceEngine
 from dgemma.errors import ConfigError
 from dgemma.instruments import Recorder
 from dgemma.sampling import SamplingParams
@@ -47,7 +47,7 @@ def test_request_eos_overrides_the_engines(model):
 
 
 def test_reference_runner_refuses_mixed_parameters_and_late_joins(model):
-    runner = ReferenceRunner(model.module, (1,))
+    runner = ReferenceEngine(model.module, (1,))
     runner.add_request(_prompt(model), SamplingParams(max_new_tokens=4, seed=1))
     with pytest.raises(ConfigError, match="one set of sampling parameters"):
         runner.add_request(_prompt(model, seed=4), SamplingParams(max_new_tokens=4, seed=1, entropy_bound=0.5))

@@ -1,4 +1,4 @@
-"""`early_first_token` (engine/features/first_token.py): the answer's first id is the encoder's next-token choice
+"""`early_first_token` (engine/features/early_first_token.py): the answer's first id is the encoder's next-token choice
 after the prompt, committed by the step that prefills it, before any decoder pass, and held by the canvas, so the
 text sent never changes. Checked against transformers' own next-token argmax (tiny random checkpoints), on the
 bundled model alone, batched with joins, from the prefix cache and from a chunked prefill, with logprobs, a

@@ -1,4 +1,4 @@
-"""What one request can cost before any model work: seeded canvases (templates, edits) are refused before they
+"""What one request can cost before any model work: layout canvases (templates, edits) are refused before they
 are tokenized or built when they cannot fit in the context, edits are prepared in linear time, and turning
 committed ids into text (stop strings included) costs time linear in the output, however it arrives."""
 
@@ -9,8 +9,8 @@ import pytest
 from dgemma.engine import OutputStream
 from dgemma.engine.request import Event
 from dgemma.sampling import SamplingParamsError
-from dgemma.sampling import seeded
-from dgemma.sampling.seeded import edit_parts, renoised_positions
+from dgemma.sampling import layout
+from dgemma.sampling.layout import edit_parts, renoised_positions
 from dgemma.tokenizer import IncrementalDecoder
 from server_fixtures import load_with_eos, served_checkpoint
 
@@ -24,9 +24,9 @@ def tiny(tmp_path_factory):
 def spies(tiny, monkeypatch):
     """Calls to the tokenizer and to the layout builder, recorded."""
     calls = []
-    encode, offsets, build = tiny.tokenizer.encode, tiny.tokenizer.tok.encode, seeded.Layout.from_parts
+    encode, offsets, build = tiny.tokenizer.encode, tiny.tokenizer.tok.encode, layout.Layout.from_parts
     monkeypatch.setattr(tiny.tokenizer, "encode", lambda *a, **k: calls.append("encode") or encode(*a, **k))
-    monkeypatch.setattr(seeded.Layout, "from_parts", classmethod(
+    monkeypatch.setattr(layout.Layout, "from_parts", classmethod(
         lambda cls, *a, **k: calls.append("build") or build(*a, **k)))
     return calls
 

@@ -15,7 +15,7 @@ import dgemma
 from dgemma import Grammar
 from dgemma.api import DEMO_MODEL
 from dgemma.errors import DgemmaError
-from dgemma.engine.features.grammar import Grammar as GrammarFeature
+from dgemma.engine.features.grammar import GrammarFeature
 from server_fixtures import openai_server
 
 POISON_SEED = 13

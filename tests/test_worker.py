@@ -9,7 +9,7 @@ import time
 from dgemma.engine import Event, Request
 from dgemma.sampling import SamplingParams
 from dgemma.server.metrics import Metrics
-from dgemma.server.worker import FIRST_TEXT_WAIT, IDLE_POLL, Job, Sink, Worker
+from dgemma.server.worker import FIRST_TEXT_WAIT, IDLE_POLL, Submission, Sink, Worker
 
 
 class StubEngine:
@@ -67,7 +67,8 @@ def _serve(handle_first: bool, engine: StubEngine | None = None, requests: int =
 
     async def one(rid: str):
         queue = asyncio.Queue()
-        job = Job(rid, [1, 2], SamplingParams(), False, Sink(asyncio.get_running_loop(), queue), time.perf_counter())
+        job = Submission(rid, [1, 2], SamplingParams(), False, Sink(asyncio.get_running_loop(), queue),
+                         time.perf_counter())
         engine.jobs[rid] = job
         worker.submit([job])
         while True:
@@ -117,7 +118,8 @@ def test_idle_work_runs_a_piece_at_a_time_and_a_request_waits_for_one_piece_at_m
 
     async def main():
         queue = asyncio.Queue()
-        job = Job("r", [1, 2], SamplingParams(), False, Sink(asyncio.get_running_loop(), queue), time.perf_counter())
+        job = Submission("r", [1, 2], SamplingParams(), False, Sink(asyncio.get_running_loop(), queue),
+                         time.perf_counter())
         job.first_sent.set()
         engine.jobs["r"] = job
         engine.on_piece[2] = lambda: worker.submit([job])

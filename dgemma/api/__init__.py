@@ -1,6 +1,6 @@
 """Python API: `dgemma.load(...)` returns a `Model` whose `generate` / `stream` take text, chat messages (with
 tools) or ids. `Model` holds a checkpoint's defaults and its request checks and composes the parts: opening the
-checkpoint (checkpoint.py), prompts and seeded canvases as ids (prompts.py), running them (running.py)."""
+checkpoint (checkpoint.py), prompts and layout canvases as ids (prompts.py), running them (running.py)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from dgemma.sampling.constraints import GrammarVocab, shared_vocab
 from dgemma.tokenizer import Tokenizer
 
 __all__ = ["DEMO_MODEL", "Model", "Prompt", "load", "load_model_from_args"]
-SEEDED_OPTIONS = ("suffix", "template", "edit", "renoise")  # the seeded-canvas options of `Model.params`
+LAYOUT_OPTIONS = ("suffix", "template", "edit", "renoise")  # the layout options of `Model.params`
 
 
 def load(path_or_repo: str | Path | None = None, dtype: str | torch.dtype = "auto",
@@ -89,7 +89,7 @@ class Model:
 
     # ---- a request's parameters and checks -------------------------------------------------------------------
     def params(self, mode: str | None = None, sampling: str = "fast", **options: Any) -> SamplingParams:
-        """SamplingParams fields, plus the seeded-canvas options: `suffix` (infill: the output is the text
+        """SamplingParams fields, plus the layout options: `suffix` (infill: the output is the text
         between the prompt and this suffix, at most max_new_tokens), `template` (text with [[hole]] /
         [[hole:N]] holes; the output is the filled template), `edit` (a draft, text or ids) with `renoise`
         (a fraction of its tokens chosen by the seed, or (start, end) spans: characters of a text draft, indices
@@ -98,12 +98,12 @@ class Model:
         another decoding is refused (`options.check_modes`), not ignored."""
         if mode is not None:
             check_modes([k for k, v in options.items() if v is not None], mode, sampling)
-        seeded = {k: options.pop(k) for k in SEEDED_OPTIONS if k in options}
+        layout_options = {k: options.pop(k) for k in LAYOUT_OPTIONS if k in options}
         limit = min(self.max_context, options.pop("layout_limit", None) or self.max_context)
-        if any(v is not None for v in seeded.values()):
+        if any(v is not None for v in layout_options.values()):
             hole = options.get("max_new_tokens")
             hole = self.defaults.max_new_tokens if hole is None else hole
-            options["seeded"] = self.prompts.layout(limit, hole, options.get("seed"), **seeded)
+            options["layout"] = self.prompts.layout(limit, hole, options.get("seed"), **layout_options)
         return self.defaults.replace(**options)
 
     def check_request(self, ids: list[int], params: SamplingParams, limits: Limits = Limits(),
@@ -146,7 +146,7 @@ class Model:
 
     def runner(self, mode: str = "diffusion", sampling: str = "fast", max_batch: int = 16,
                prefix_cache: PrefixCache | None = None):
-        """The engine for a decoding mode: `Engine` (continuous batching), `ReferenceRunner`,
+        """The engine for a decoding mode: `Engine` (continuous batching), `ReferenceEngine`,
         `AutoregressiveEngine` or `SpeculativeEngine` (all but the reference reuse `prefix_cache` if given); all take
         `add_request` and yield the same events from `stream()`."""
         return running.engine_for(self, mode, sampling, max_batch, prefix_cache)

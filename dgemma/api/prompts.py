@@ -1,5 +1,5 @@
-"""Prompts and seeded canvases as ids: text, chat messages (with tools) and images -> checked ids; the length
-checks that refuse a text too long for its limit before it is tokenized; the seeded-canvas layouts (`suffix`,
+"""Prompts and layout canvases as ids: text, chat messages (with tools) and images -> checked ids; the length
+checks that refuse a text too long for its limit before it is tokenized; the layouts (`suffix`,
 `template`, `edit` with `renoise`)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dgemma.errors import DgemmaError
 from dgemma.image_limits import ImageLimits
 from dgemma.sampling import Limits, SamplingParamsError
 from dgemma.sampling.params import check_length
-from dgemma.sampling.seeded import Layout, edit_parts, parse_template, renoised_positions
+from dgemma.sampling.layout import Layout, edit_parts, parse_template, renoised_positions
 from dgemma.tokenizer import Tokenizer
 
 Prompt = str | list[int] | list[dict[str, Any]]
@@ -22,7 +22,7 @@ CHAR_MARGIN = 2  # a token can cover more characters than its own text after nor
 
 
 class PromptEncoder:
-    """A checkpoint's prompts and seeded-canvas texts as ids: within its vocabulary (`module.cfg`), its context
+    """A checkpoint's prompts and layout texts as ids: within its vocabulary (`module.cfg`), its context
     (`max_context`) and its tokenizer (None: ids only)."""
 
     def __init__(self, module, tokenizer: Tokenizer | None, max_context: int):
@@ -56,7 +56,7 @@ class PromptEncoder:
         return min(self.max_context - 1, limits.max_prompt_tokens or self.max_context)
 
     def check_length(self, prompt: Prompt, max_tokens: int | None = None, param: str = "prompt") -> None:
-        """A prompt, or a seeded canvas's text (suffix, template, draft), that cannot fit in `max_tokens` (default:
+        """A prompt, or a layout canvas's text (suffix, template, draft), that cannot fit in `max_tokens` (default:
         the context) is refused untokenized."""
         max_tokens = max_tokens or self.max_context
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
@@ -81,10 +81,10 @@ class PromptEncoder:
             raise DgemmaError("this checkpoint has no tokenizer.json; pass token ids instead of text")
         return self.tokenizer
 
-    # ---- seeded canvases ------------------------------------------------------------------------------------
+    # ---- layout canvases ------------------------------------------------------------------------------------
     def layout(self, limit: int, hole: int, seed: int | None, suffix: str | None = None, template: str | None = None,
                edit: str | list[int] | None = None, renoise: float | list[tuple[int, int]] | None = None) -> Layout:
-        """The seeded canvas of one of `suffix` (its hole: `hole` tokens), `template` or `edit` with `renoise`
+        """The layout canvas of one of `suffix` (its hole: `hole` tokens), `template` or `edit` with `renoise`
         (a fraction chosen by `seed`, or spans); `limit`: the most tokens a template or edit may have."""
         given = [k for k, v in (("suffix", suffix), ("template", template), ("edit", edit)) if v is not None]
         if len(given) != 1 or (renoise is None) != (edit is None):

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from dgemma.api.prompts import Prompt, is_chat
 from dgemma.chat.tools import ToolUse
-from dgemma.engine import (AutoregressiveEngine, Engine, OutputStream, PrefixCache, ReferenceRunner, Result,
+from dgemma.engine import (AutoregressiveEngine, Engine, OutputStream, PrefixCache, ReferenceEngine, Result,
                            SpeculativeEngine, StreamEvent)
 from dgemma.options import MODES, SAMPLINGS
 from dgemma.sampling import SamplingParams, SamplingParamsError
@@ -25,15 +25,15 @@ def engine_for(model: Model, mode: str, sampling: str, max_batch: int, prefix_ca
         bad, name, names = (("mode", mode, MODES) if mode not in MODES else ("sampling", sampling, SAMPLINGS))
         raise SamplingParamsError(f"{bad}={name!r} must be one of {', '.join(names)}", bad)
     if mode in ("autoregressive", "speculative"):
-        engine = AutoregressiveEngine if mode == "autoregressive" else SpeculativeEngine
-        runner = engine(model.module, eos, max_batch, prefix_cache)
+        kind = AutoregressiveEngine if mode == "autoregressive" else SpeculativeEngine
+        engine = kind(model.module, eos, max_batch, prefix_cache)
     elif sampling == "reference":
-        runner = ReferenceRunner(model.module, eos, model.pad_id)
+        engine = ReferenceEngine(model.module, eos, model.pad_id)
     else:
-        runner = Engine(model.module, eos, model.pad_id, max_batch, prefix_cache)
+        engine = Engine(model.module, eos, model.pad_id, max_batch, prefix_cache)
     if model.tokenizer is not None:
-        runner.grammar_vocab = model.grammar_vocab
-    return runner
+        engine.grammar_vocab = model.grammar_vocab
+    return engine
 
 
 def results(model: Model, prompt: Prompt | list[Prompt], mode: str, sampling: str,
@@ -49,18 +49,18 @@ def results(model: Model, prompt: Prompt | list[Prompt], mode: str, sampling: st
 def run(model: Model, prompts: list[Prompt], mode: str, sampling: str, options: dict[str, Any],
         drafts: bool) -> Iterator[tuple[int, StreamEvent]]:
     """(prompt index, StreamEvent) for each prompt, decoded as one batch with `options` (SamplingParams fields,
-    seeded-canvas options and chat's tools)."""
+    layout options and chat's tools)."""
     ids, params, tools = _prepare(model, prompts, mode, sampling, options)
-    runner = model.runner(mode, sampling, max(1, len(ids)), model.prefix_cache)  # through Model: it may be wrapped
+    engine = model.runner(mode, sampling, max(1, len(ids)), model.prefix_cache)  # through Model: it may be wrapped
     reqs = {}
     for i, x in enumerate(ids):
-        req = runner.add_request(x, params, drafts=drafts)
+        req = engine.add_request(x, params, drafts=drafts)
         reqs[req.id] = (i, req, OutputStream(model.tokenizer, params.stop, tools))
-    for ev in runner.stream():
+    for ev in engine.stream():
         i, req, out = reqs[ev.request_id]
         for item in out.feed(ev):
             if item.kind == "done":
-                runner.abort(req.id)  # a stop string ends the request before the engine knows
+                engine.abort(req.id)  # a stop string ends the request before the engine knows
                 req.stats.t_end = req.stats.t_end or time.perf_counter()
                 item.result = out.result(len(req.prompt), params.logprobs is not None, req.stats)
             yield i, item

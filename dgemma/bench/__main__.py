@@ -2,6 +2,6 @@
 
 import sys
 
-from dgemma.bench.runners import worker_main
+from dgemma.bench.trials import worker_main
 
 sys.exit(worker_main(sys.argv[1:]))

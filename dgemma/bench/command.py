@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from dgemma.bench import flops, report, runners
+    from dgemma.bench import flops, report, trials
     from dgemma.weights.hf import read_config
 
     directory = _model_dir(args.model)
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     log(f"dgemma bench: {len(jobs)} configurations on {directory} ({args.device}, {torch.get_num_threads()} "
         f"threads); diffusion steps per canvas: {args.steps}")
     machine = flops.measure_machine(args.device, args.matmul_size, _csv(args.dtype) + _csv(args.reference_dtype))
-    runs = [flops.add_bounds(runners.pool(outs), cfg, machine) for outs in _measure_rounds(args, jobs)]
+    runs = [flops.add_bounds(trials.pool(outs), cfg, machine) for outs in _measure_rounds(args, jobs)]
     machine["load_average_end"] = flops.load_average()
     result = report.build_report(vars(args), directory, cfg, machine, runs)
     print(report.format_table(result))
@@ -85,13 +85,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure_rounds(args: argparse.Namespace, jobs: list[Job]) -> list[list[dict]]:
     """Every job once per round, in plan order; per job, its results from every round."""
-    from dgemma.bench import runners
+    from dgemma.bench import trials
 
     outs: list[list[dict]] = [[] for _ in jobs]
     for r in range(args.rounds):
         for i, job in enumerate(jobs):
             log(f"[round {r + 1}/{args.rounds}, {i + 1}/{len(jobs)}] {job.label}")
-            outs[i].append(runners.run_job(job) if args.in_process else runners.run_isolated(job, args.timeout))
+            outs[i].append(trials.run_job(job) if args.in_process else trials.run_isolated(job, args.timeout))
     return outs
 
 

@@ -14,7 +14,7 @@ from torch import Tensor
 from dgemma.config import TextConfig
 
 
-class KVCache(Protocol):
+class CacheLike(Protocol):
     """What the views read of a cache (`cache/kv.py`)."""
 
     cfg: TextConfig
@@ -83,7 +83,7 @@ class Span(NamedTuple):
     causal: bool = False
 
 
-def encoder_span(cache: KVCache, start: int, n: int, sliding: bool, groups: Tensor | None = None) -> Span:
+def encoder_span(cache: CacheLike, start: int, n: int, sliding: bool, groups: Tensor | None = None) -> Span:
     """Causal attention over slots lo..start+n (and among each image run's tokens, `groups` [B, n]). No mask where
     the keys are exactly those slots, nothing visible is padding and the sliding window cuts no query's view short:
     one new token sees every slot; a first chunk is plain causal."""
@@ -100,7 +100,7 @@ def encoder_span(cache: KVCache, start: int, n: int, sliding: bool, groups: Tens
     return Span(lo, CausalMask(kv, q, window if sliding else None, valid, groups))
 
 
-def decoder_span(cache: KVCache, start: int, n: int, sliding: bool, hide: int = 0) -> Span:
+def decoder_span(cache: CacheLike, start: int, n: int, sliding: bool, hide: int = 0) -> Span:
     """The canvas sees all of itself but its first `hide` positions (those the cache holds already: early commit)
     and the valid cached slots; the cache knows on the host whether any visible slot is padding, so the unpadded
     case needs no device read and no mask."""
@@ -114,7 +114,7 @@ def decoder_span(cache: KVCache, start: int, n: int, sliding: bool, hide: int = 
     return Span(lo, mask[:, None, None, :])
 
 
-def context_span(cache: KVCache, context: Tensor, n: int, sliding: bool) -> Span:
+def context_span(cache: CacheLike, context: Tensor, n: int, sliding: bool) -> Span:
     """Training: row b's canvas sees its first context[b] cached tokens (the last window - 1 of them on sliding
     layers) and all of itself; the cache stays untouched."""
     slots = torch.arange(cache.length, device=context.device)[None]
@@ -124,6 +124,6 @@ def context_span(cache: KVCache, context: Tensor, n: int, sliding: bool) -> Span
     return Span(0, torch.cat([past, past.new_ones(past.shape[0], n)], dim=1)[:, None, None, :])
 
 
-def _valid(cache: KVCache, kv: Tensor, slots: Tensor | None, first: int, hi: int) -> Tensor:
+def _valid(cache: CacheLike, kv: Tensor, slots: Tensor | None, first: int, hi: int) -> Tensor:
     """[B, keys] whether each key's slot holds a real token."""
     return cache.valid[:, first:hi] if slots is None else cache.valid[:, kv]

@@ -72,7 +72,7 @@ class AutoregressiveEngine(EngineBase):
         self.prefix_cache = prefix_cache
         self.rows: list[Row] = []
 
-    def held(self) -> list[Request]:
+    def requests(self) -> list[Request]:
         return self.waiting + [r.req for r in self.rows]
 
     def has_work(self) -> bool:

@@ -1,4 +1,4 @@
-"""The engines' base class, `EngineBase` (Engine, AutoregressiveEngine, SpeculativeEngine, ReferenceRunner): making a
+"""The engines' base class, `EngineBase` (Engine, AutoregressiveEngine, SpeculativeEngine, ReferenceEngine): making a
 request (its EOS ids, else the model's; a generator on the model's device; each feature's counters from 0 and its
 state, `Feature.attach`), aborting one, and driving `step()` to the end."""
 
@@ -46,13 +46,13 @@ class EngineBase:
             f.attach(req, self)
         return req
 
-    def held(self) -> list[Request]:
+    def requests(self) -> list[Request]:
         """The requests this engine holds (waiting or running)."""
         raise NotImplementedError
 
     def abort(self, request_id: str) -> None:
         """Finish a request now (client gone, stop string seen); the engine drops it at its next step."""
-        for req in self.held():
+        for req in self.requests():
             if req.id == request_id and not req.finished:
                 req.finish("abort")
         self.waiting = [r for r in self.waiting if r.id != request_id]

@@ -1,4 +1,4 @@
-"""What the engine and the reference runner share: the prefill of a group of rows, one canvas's state and
+"""What the engine and the reference engine share: the prefill of a group of rows, one canvas's state and
 per-step bookkeeping (done rows, the stopper, step counts), and the events a canvas produces."""
 
 from __future__ import annotations
@@ -147,9 +147,9 @@ class Canvas:
             c = self.argmax.shape[1]
             both = torch.cat([self.argmax, self.accepted.long()], dim=1).tolist()  # one device read
             for i in live:
-                sent = rows[i].sent  # ids of this canvas committed early (early commit) are not repeated
-                ids = rows[i].visible(both[i][:c])[sent:]
-                accepted = both[i][c + sent:c + sent + len(ids)]
+                early = rows[i].committed_early  # ids of this canvas committed early (early commit) are not repeated
+                ids = rows[i].visible(both[i][:c])[early:]
+                accepted = both[i][c + early:c + early + len(ids)]
                 events.append(Event(rows[i].id, "draft", ids, accepted=[a == 1 for a in accepted]))
 
     def put(self, rows: list[int], fresh: Canvas) -> None:
@@ -192,7 +192,7 @@ class Canvas:
         finished = [r.finished for r in rows]
         commits = [None if f else r.commit(ids, n, events)
                    for r, f, ids, n in zip(rows, finished, argmax.tolist(), steps)]
-        # a row whose rule keeps its EOS ids inside the canvas (a seeded layout: an EOS ends a hole only) is not cut
+        # a row whose rule keeps its EOS ids inside the canvas (a layout: an EOS ends a hole only) is not cut
         eos = _row_table([list(r.eos) if c is None or c.cut else [] for r, c in zip(rows, commits)], argmax.device,
                          torch.long, -1)
         return finalize_canvas(argmax, eos, pad_id, torch.tensor(finished, device=argmax.device))

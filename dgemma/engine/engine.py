@@ -4,12 +4,12 @@ batching.
 Each `step()` is three calls: the scheduler decides which rows and positions run (`Scheduler.schedule`: rows leave,
 go on and join; the request features shape the pass), the model runner runs the pass (`ModelRunner.run`: the decoder
 and the fused vocabulary step), and postprocessing hands its results to the features and the requests (their step
-and settle hooks, the canvas's bookkeeping, the commit of the rows the scheduler's policy ends). Rows are on their
+and after_step hooks, the canvas's bookkeeping, the commit of the rows the scheduler's policy ends). Rows are on their
 own clocks by default (`RowClocks`: a row whose canvas is done commits it at once, its next canvas starts beside
 the others at the next step); `row_clocks=False` selects the batch-wide policy kept to compare (`BatchWide`). A
 committed canvas is encoded lazily, so a request's last canvas never is. Each request has its own generator and
 positions, so its output does not depend on the rest of the batch. transformers' draw-for-draw sampling is
-`ReferenceRunner`'s job.
+`ReferenceEngine`'s job.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dgemma.engine.request import Event, Request
 from dgemma.engine.runner import ModelRunner, Pass, Ran
 from dgemma.engine.scheduler import Batch, BatchWide, RowClocks, Scheduler, prefill_groups
 from dgemma.model import DiffusionGemma
-from dgemma.sampling.latency import measured
+from dgemma.sampling.target_canvas_ms import measured
 
 __all__ = ["Engine", "EngineStats", "prefill_groups"]
 
@@ -67,7 +67,7 @@ class Engine(EngineBase):
     def batch(self) -> Batch | None:
         return self.scheduler.batch
 
-    def held(self) -> list[Request]:
+    def requests(self) -> list[Request]:
         running = [] if self.batch is None else self.batch.rows
         return self.waiting + [r for r, _ in self.scheduler.prefilling] + running
 
@@ -94,7 +94,7 @@ class Engine(EngineBase):
 
     # ---- postprocessing ---------------------------------------------------------------------------------
     def _postprocess(self, p: Pass, ran: Ran, events: list[Event]) -> None:
-        """The features see the step (`step`), the canvas takes it, the features act on the canvas (`settle`), rows
+        """The features see the step (`step`), the canvas takes it, the features act on the canvas (`after_step`), rows
         out of steps are done, and the rows the policy ends commit."""
         cv = p.canvas
         s = Step(p.rows, cv, ran.hidden, self.model.lm_head, ran.inv_temp, ran.out, events, self.step_seconds)
@@ -102,18 +102,18 @@ class Engine(EngineBase):
             f.step(s)
         cv.advance(p.rows, s.out, ran.signal)
         for f in self.features:
-            f.settle(s)
-        cv.mark_done([i for i, e in enumerate(s.ending()) if e and not cv.done[i]])  # out of steps
+            f.after_step(s)
+        cv.mark_done([i for i, e in enumerate(s.done_now()) if e and not cv.done[i]])  # out of steps
         self._commit(self.batch, events)
 
     def _commit(self, b: Batch, events: list[Event]) -> None:
         """Commit the rows the policy ends now; each committed canvas, less what its row's features moved into its
         cache already, is encoded at the next turnover."""
-        ended, whole = self.scheduler.policy.ending(b.rows, b.canvas)
+        ended, whole = self.scheduler.policy.to_commit(b.rows, b.canvas)
         if ended:
             rows = [b.rows[i] for i in ended]
             canvases = b.canvas.commit(b.rows, self.pad_id, events, ended)
-            b.pending = [(r, ids[r.moved:]) for r, ids in zip(rows, canvases)]
+            b.pending = [(r, ids[r.cached_early:]) for r, ids in zip(rows, canvases)]
         if whole:
             b.canvas = None
 

@@ -16,7 +16,7 @@ from dgemma.model import DiffusionGemma
 from dgemma.sampling import SamplingParams, reference_step
 
 
-class ReferenceRunner(EngineBase):
+class ReferenceEngine(EngineBase):
     sampling = "reference"
     def __init__(self, model: DiffusionGemma, eos_ids: tuple[int, ...], pad_id: int = 0):
         super().__init__(model, eos_ids)
@@ -34,7 +34,7 @@ class ReferenceRunner(EngineBase):
         self.rows.append(req)
         return req
 
-    def held(self) -> list[Request]:
+    def requests(self) -> list[Request]:
         return self.rows
 
     @torch.inference_mode()

@@ -98,18 +98,18 @@ class Request:
         return next((st for f, st in self.state.items() if f.name == "grammar"), None)
 
     @property
-    def sent(self) -> int:
+    def committed_early(self) -> int:
         """Ids of the current canvas committed ahead of its end (early commit), which its commit does not repeat."""
-        return sum(f.sent(self) for f in list(self.state))
+        return sum(f.committed_early(self) for f in list(self.state))
 
     @property
-    def moved(self) -> int:
+    def cached_early(self) -> int:
         """Of those, ids already in the request's cache: the canvas's commit encodes only the rest."""
-        return sum(f.moved(self) for f in list(self.state))
+        return sum(f.cached_early(self) for f in list(self.state))
 
     def visible(self, ids: list[int]) -> list[int]:
         """The part of a canvas this request shows: up to its first EOS and within its token budget, unless a
-        feature's rule decides it (a seeded layout)."""
+        feature's rule decides it (a layout)."""
         for f in list(self.state):
             shown = f.visible(self, ids)
             if shown is not None:
@@ -126,7 +126,7 @@ class Request:
         return self.visible(ids), any(t in self.eos for t in ids[:self.budget])
 
     def commit(self, canvas: list[int], steps: int, events: list[Event]) -> Commit:
-        """Append a finished canvas's new ids (its event carries those not `sent` ahead); finish on EOS ("stop") or
+        """Append a finished canvas's new ids (its event carries those not committed early); finish on EOS ("stop") or
         an exhausted budget ("length"), or as the features' rule says."""
         self.stats.steps_per_canvas.append(steps)
         new, eos = self._plain(canvas), any(t in self.eos for t in canvas[:self.budget])
@@ -134,11 +134,11 @@ class Request:
         c = Commit(canvas, new, eos, "stop" if eos else "length" if full else None)
         for f in list(self.state):
             f.commit(self, c)
-        sent = self.sent  # the first `sent` ids went out already
+        early = self.committed_early  # the first `early` ids went out already
         self.output.extend(c.new)
         self.stats.t_first_commit = self.stats.t_first_commit or time.perf_counter()
-        events.append(Event(self.id, "commit", c.new[sent:],
-                            logprobs=None if c.logprobs is None else c.logprobs[sent:len(c.new)]))
+        events.append(Event(self.id, "commit", c.new[early:],
+                            logprobs=None if c.logprobs is None else c.logprobs[early:len(c.new)]))
         if c.eos:
             self.stats.eos_tokens += 1
         if c.finish is not None:

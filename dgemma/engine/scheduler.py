@@ -58,7 +58,7 @@ class RowClocks:
         """Rows leave, go on and join at this step."""
         return True
 
-    def ending(self, rows: list[Request], cv: Canvas) -> tuple[list[int], bool]:
+    def to_commit(self, rows: list[Request], cv: Canvas) -> tuple[list[int], bool]:
         """The rows that commit now, and whether the batch's canvas ends with them (every row starts anew)."""
         return [i for i, (d, r) in enumerate(zip(cv.done, rows)) if d and not r.finished], False
 
@@ -73,7 +73,7 @@ class BatchWide(RowClocks):
     def turnover(self, batch: Batch | None) -> bool:
         return batch is None or batch.canvas is None
 
-    def ending(self, rows: list[Request], cv: Canvas) -> tuple[list[int], bool]:
+    def to_commit(self, rows: list[Request], cv: Canvas) -> tuple[list[int], bool]:
         done = cv.all_done(rows, finished_rows_count=False)
         return (list(range(len(rows))) if done else []), done
 

@@ -88,7 +88,7 @@ class Attention(nn.Module):
         write=True puts the new keys in the cache first (encoder commit, or the decoder's scratch slots);
         write=False leaves the cache untouched and appends them (training, where the cache is in the graph).
         keep=(index [B, L], n): x holds only these of a canvas's n positions; the others' keys and values stay
-        what the canvas's last pass wrote to their scratch slots (settled positions, engine/features/settled.py).
+        what the canvas's last pass wrote to their scratch slots (settled positions, engine/features/skip_settled.py).
         """
         b, n, _ = x.shape
         cos, sin = rope

@@ -42,7 +42,7 @@ def available() -> bool:
     return kernel and sys.byteorder == "little"
 
 
-class Layout(NamedTuple):
+class Int4Packing(NamedTuple):
     block: int  # rows per full block
     split: bool  # a full block's byte j holds rows j and j + block / 2 (else 2j and 2j + 1)
 
@@ -64,19 +64,19 @@ def _nibbles(packed: Tensor) -> Tensor:
 
 
 @lru_cache(maxsize=1)
-def layout() -> Layout | None:
+def layout() -> Int4Packing | None:
     """This torch build's and CPU's int4 layout, or None when it is not one `_codes` reads (then nothing converts)."""
     if not available():
         return None
     block = int(_order(128, 2)[0:256].view(-1).tolist().index(1))  # nibble position of (row 0, column 1)
     for split in (True, False):
-        guess = Layout(block, split)
+        guess = Int4Packing(block, split)
         if all(torch.equal(_order(n, 64), _predicted(n, 64, guess)) for n in (2 * block, block + 16)):
             return guess
     return None
 
 
-def _predicted(n: int, k: int, lay: Layout) -> Tensor:
+def _predicted(n: int, k: int, lay: Int4Packing) -> Tensor:
     """The order `_order(n, k)` gives if torch packs as `lay` says (see the module docstring)."""
     order = []
     main = n - n % lay.block
@@ -223,7 +223,7 @@ def scale_tables(scales_t: list[Tensor], reuse: bool = False) -> Tensor:
     return bits.view(torch.bfloat16).view(*shape, 2)
 
 
-def _unpacked_codes(packed: Tensor, n: int, k: int, lay: Layout) -> Tensor:
+def _unpacked_codes(packed: Tensor, n: int, k: int, lay: Int4Packing) -> Tensor:
     """Packed rows [n, K // 2] (whole blocks, torch's layout) -> int8 codes [n, K]."""
     out = torch.empty(n, k, dtype=torch.uint8)
     main = n - n % lay.block

@@ -16,7 +16,7 @@ def stable_runs(prev: Tensor, argmax: Tensor, accepted: Tensor, run: Tensor) -> 
     return torch.where((argmax == prev) & accepted, run + 1, 0)
 
 
-def frozen_length(run: Tensor, argmax: Tensor, need: Tensor, eos: Tensor, limit: Tensor) -> Tensor:
+def early_length(run: Tensor, argmax: Tensor, need: Tensor, eos: Tensor, limit: Tensor) -> Tensor:
     """[B] the longest left prefix whose runs reach `need` [B] and that holds no EOS (eos [B, E], padded with -1;
     the EOS and what follows it stay with the canvas's own commit), at most `limit` [B] (the row's budget)."""
     is_eos = (argmax[:, :, None] == eos[:, None, :]).any(-1)
@@ -24,9 +24,9 @@ def frozen_length(run: Tensor, argmax: Tensor, need: Tensor, eos: Tensor, limit:
     return torch.minimum(ok.long().cumprod(-1).sum(-1), limit)
 
 
-def settled(run: Tensor, argmax: Tensor, need: Tensor, eos: Tensor, frozen: Tensor, limit: Tensor) -> Tensor:
-    """[B] rows with nothing left to denoise: their frozen prefix fills their budget, or the position after it is
-    an EOS stable for as long (the commit cuts there, so the text is decided)."""
+def decided(run: Tensor, argmax: Tensor, need: Tensor, eos: Tensor, frozen: Tensor, limit: Tensor) -> Tensor:
+    """[B] rows with nothing left to denoise: their early-committed prefix fills their budget, or the position after
+    it is an EOS stable for as long (the commit cuts there, so the text is decided)."""
     at = frozen.clamp(max=argmax.shape[1] - 1)[:, None]
     next_eos = (argmax.gather(1, at) == eos).any(-1) & (run.gather(1, at)[:, 0] >= need)
     return (frozen >= limit) | (next_eos & (frozen < argmax.shape[1]))

@@ -246,7 +246,7 @@ def _inverse_cdf(p: Tensor, u: Tensor, total: Tensor) -> Tensor:
 
 
 class Reuse(NamedTuple):
-    """Settled positions a step leaves out, and their previous outputs it reuses (engine/features/settled.py)."""
+    """Settled positions a step leaves out, and their previous outputs it reuses (engine/features/skip_settled.py)."""
 
     skip: Tensor  # [B, C] bool
     argmax: Tensor  # [B, C] the previous draft

@@ -13,7 +13,7 @@ from dgemma.errors import SamplingParamsError
 from dgemma.knobs import KNOBS
 from dgemma.options import OPTIONS, check_modes
 from dgemma.sampling.constraints import Grammar
-from dgemma.sampling.seeded import Layout
+from dgemma.sampling.layout import Layout
 
 MAX_NEW_TOKENS = 1_000_000
 MAX_DENOISING_STEPS = 10_000
@@ -76,7 +76,7 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] | None = None  # None: the model's
     ar_temperature: float = 0.0  # autoregressive and speculative modes only; 0 is greedy
     grammar: Grammar | None = None  # the output must match it (sampling/constraints.py)
-    seeded: Layout | None = None  # fixed tokens and holes (sampling/seeded.py); sets max_new_tokens
+    layout: Layout | None = None  # fixed tokens and holes (sampling/layout.py); sets max_new_tokens
     logprobs: int | None = None  # report log-probabilities with this many alternatives (sampling/logprobs.py)
     cache_salt: str | None = None  # prefix-cache partition: only prefixes cached under the same salt are reused
 
@@ -89,8 +89,8 @@ class SamplingParams:
         eos = self.eos_token_ids
         if eos is not None and not isinstance(eos, tuple):
             object.__setattr__(self, "eos_token_ids", (eos,) if _is_int(eos) else tuple(eos))
-        if isinstance(self.seeded, Layout):
-            object.__setattr__(self, "max_new_tokens", max(1, len(self.seeded.tokens)))
+        if isinstance(self.layout, Layout):
+            object.__setattr__(self, "max_new_tokens", max(1, len(self.layout.tokens)))
         for o in OPTIONS:
             if o.normalize is not None and getattr(self, o.name) is not None:
                 object.__setattr__(self, o.name, o.normalize(getattr(self, o.name)))
@@ -121,19 +121,19 @@ class SamplingParams:
             _fail(f"cache_salt={self.cache_salt!r} must be a string", "cache_salt")
         if self.logprobs is not None:
             _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
-            if self.seeded is not None:
+            if self.layout is not None:
                 _fail("logprobs with a suffix, template or edit are not supported", "logprobs")
         self._check_speed()
         self._check_savings()
         for o in OPTIONS:
             if o.check is not None and getattr(self, o.name) is not None:
                 o.check(getattr(self, o.name), None)
-        if self.seeded is not None:
-            if not isinstance(self.seeded, Layout):
-                _fail("seeded must be a dgemma.sampling.seeded.Layout", "seeded")
-            self.seeded.check()
+        if self.layout is not None:
+            if not isinstance(self.layout, Layout):
+                _fail("layout must be a dgemma.sampling.layout.Layout", "layout")
+            self.layout.check()
             if self.grammar is not None:
-                _fail("a grammar and a seeded canvas (suffix, template, edit) cannot be combined", self.seeded.param)
+                _fail("a grammar and a layout canvas (suffix, template, edit) cannot be combined", self.layout.param)
 
     def _check_speed(self) -> None:
         """early_commit: steps a position must stay unchanged; it commits text before the canvas ends, which a
@@ -153,13 +153,13 @@ class SamplingParams:
         if self.early_first_token is not None:
             if not isinstance(self.early_first_token, bool):
                 _fail(f"early_first_token={self.early_first_token!r} must be true or false", "early_first_token")
-            if self.early_first_token and (self.grammar is not None or self.seeded is not None):
+            if self.early_first_token and (self.grammar is not None or self.layout is not None):
                 _fail("early_first_token cannot be combined with a grammar or a suffix, template or edit",
                       "early_first_token")
         if self.early_commit is None:
             return
         _int_in("early_commit", self.early_commit, 1, MAX_DENOISING_STEPS)
-        if self.grammar is not None or self.seeded is not None:
+        if self.grammar is not None or self.layout is not None:
             _fail("early_commit cannot be combined with a grammar or a suffix, template or edit", "early_commit")
 
     def _check_savings(self) -> None:
@@ -167,7 +167,7 @@ class SamplingParams:
             _int_in("soft_top_k", self.soft_top_k, 1, MAX_SOFT_TOP_K)
         if self.skip_settled is not None:
             _int_in("skip_settled", self.skip_settled, 1, MAX_DENOISING_STEPS)
-            if self.grammar is not None or self.seeded is not None:
+            if self.grammar is not None or self.layout is not None:
                 _fail("skip_settled with a grammar, suffix, template or edit is not supported", "skip_settled")
         if self.settled_kv_reuse is not None:
             if not isinstance(self.settled_kv_reuse, bool):
@@ -178,8 +178,8 @@ class SamplingParams:
     def check_decoding(self, mode: str, sampling: str, eos: tuple[int, ...], tokenizer: bool) -> None:
         """What a request asks of its decoding (`mode`, `sampling`) and of the checkpoint (its end-of-sequence ids
         `eos`, whether it has a `tokenizer` for grammars): checked by the API before a request is made and by every
-        engine (runner.make_request). Which field applies to which mode: `options.check_modes`."""
-        g, s, fast_diffusion = self.grammar, self.seeded, (mode, sampling) == ("diffusion", "fast")
+        engine (EngineBase.make_request). Which field applies to which mode: `options.check_modes`."""
+        g, s, fast_diffusion = self.grammar, self.layout, (mode, sampling) == ("diffusion", "fast")
         for broken, message, param in (
                 (g and sampling != "fast", "constrained output needs the fast sampler", g and g.param),
                 (g and not tokenizer, "constrained output needs a tokenizer; this checkpoint has none", g and g.param),
@@ -199,8 +199,8 @@ class SamplingParams:
                  limits: Limits = Limits(), cache_bytes: Callable[[int], int] | None = None) -> None:
         """Checks that need the model or the deployment: eos ids inside the vocabulary, prompt + output inside
         the context, and the deployment's caps (`cache_bytes`: the model's KV-cache bytes for a context)."""
-        if self.seeded is not None:
-            self.seeded.check(vocab_size)
+        if self.layout is not None:
+            self.layout.check(vocab_size)
         for o in OPTIONS:
             if o.check is not None and getattr(self, o.name) is not None:
                 o.check(getattr(self, o.name), vocab_size)
@@ -263,7 +263,7 @@ def _fail(message: str, param: str) -> None:
 
 
 def check_length(param: str, size: int, cap: int | None, unit: str = "tokens", fits: int | None = None) -> None:
-    """The length rule of a prompt or a seeded canvas's text: at most `cap` tokens (None: no cap). `size` counts
+    """The length rule of a prompt or a layout canvas's text: at most `cap` tokens (None: no cap). `size` counts
     `unit`s; a text counted in characters before it is tokenized is held to `fits`, the most characters `cap` tokens
     can hold."""
     if cap is not None and size > (cap if fits is None else fits):

@@ -1,5 +1,5 @@
-"""Request fields that become a grammar or a seeded canvas: chat's `response_format` -> Grammar, and the
-completion's infill / template / edit fields -> the seeded-canvas options of `Model.params`."""
+"""Request fields that become a grammar or a layout canvas: chat's `response_format` -> Grammar, and the
+completion's infill / template / edit fields -> the layout options of `Model.params`."""
 
 from __future__ import annotations
 
@@ -25,14 +25,14 @@ def response_grammar(fmt: dict[str, Any] | None, param: str = "response_format")
     raise SamplingParamsError(f"response_format type {kind!r} must be text, json_object or json_schema", param)
 
 
-# a completion's seeded-canvas fields -> the options of Model.params, and back (to name them in errors)
-SEEDED = {"suffix": "suffix", "dgemma_template": "template", "dgemma_edit": "edit", "dgemma_renoise": "renoise"}
-SEEDED_PARAMS = {option: field for field, option in SEEDED.items()}
+# a completion's layout fields -> the options of Model.params, and back (to name them in errors)
+LAYOUT_FIELDS = {"suffix": "suffix", "dgemma_template": "template", "dgemma_edit": "edit", "dgemma_renoise": "renoise"}
+LAYOUT_PARAMS = {option: field for field, option in LAYOUT_FIELDS.items()}
 
 
-def seeded_options(fields: dict[str, Any]) -> dict[str, Any]:
+def as_layout_options(fields: dict[str, Any]) -> dict[str, Any]:
     """The fields that are set, as `Model.params` options (renoise spans as (start, end) pairs)."""
-    out = {SEEDED[k]: v for k, v in fields.items() if v is not None and k in SEEDED}
+    out = {LAYOUT_FIELDS[k]: v for k, v in fields.items() if v is not None and k in LAYOUT_FIELDS}
     if isinstance(out.get("renoise"), list):
         out["renoise"] = [tuple(span) for span in out["renoise"]]
     return out

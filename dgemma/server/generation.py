@@ -15,7 +15,7 @@ from dgemma.chat.tools import ToolUse
 from dgemma.engine import Event, OutputStream, Result, StreamEvent
 from dgemma.server.errors import ApiError
 from dgemma.server.planning import Plan
-from dgemma.server.worker import Job, Sink
+from dgemma.server.worker import Sink, Submission
 
 if TYPE_CHECKING:
     from dgemma.server.service import Lease, Service
@@ -60,7 +60,7 @@ class Generation:
             rid = f"{id}-{i}"
             output = OutputStream(service.model.tokenizer, plan.params.stop, tools)
             self.choices[rid] = _Choice(i, rid, output, plan.params.logprobs is not None)
-            jobs.append(Job(rid, plan.ids, plan.params, drafts, sink, self.t_arrival, *deadlines,
+            jobs.append(Submission(rid, plan.ids, plan.params, drafts, sink, self.t_arrival, *deadlines,
                             first_sent=self.choices[rid].first_sent))
         service.metrics.admitted(sum(len(p.ids) for p in plans), key)
         service.worker.submit(jobs)

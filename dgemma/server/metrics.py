@@ -42,7 +42,7 @@ class Histogram:
         return self.header() + self.samples()
 
 
-class Counter:
+class MetricCounter:
     def __init__(self, name: str, help: str, label: str | None = None):
         self.name, self.help, self.label = name, help, label
         self.values: dict[str, float] = defaultdict(float)
@@ -77,12 +77,12 @@ class Traffic:
     latencies. Nothing in them depends on anyone else's requests but through the latencies."""
 
     def __init__(self, prefix: str):
-        self.requests = Counter(f"{prefix}requests_total", "Requests admitted.")
-        self.finished = Counter(f"{prefix}requests_finished_total", "Choices finished, by reason.", "reason")
-        self.rejected = Counter(f"{prefix}requests_rejected_total", "Requests refused before any model work.",
+        self.requests = MetricCounter(f"{prefix}requests_total", "Requests admitted.")
+        self.finished = MetricCounter(f"{prefix}requests_finished_total", "Choices finished, by reason.", "reason")
+        self.rejected = MetricCounter(f"{prefix}requests_rejected_total", "Requests refused before any model work.",
                                 "reason")
-        self.prompt_tokens = Counter(f"{prefix}prompt_tokens_total", "Prompt tokens of admitted choices.")
-        self.generation_tokens = Counter(f"{prefix}generation_tokens_total", "Tokens returned to clients.")
+        self.prompt_tokens = MetricCounter(f"{prefix}prompt_tokens_total", "Prompt tokens of admitted choices.")
+        self.generation_tokens = MetricCounter(f"{prefix}generation_tokens_total", "Tokens returned to clients.")
         self.ttft = Histogram(f"{prefix}time_to_first_token_seconds",
                               "Arrival to the first committed canvas, per choice.", LATENCY)
         self.tpot = Histogram(f"{prefix}time_per_output_token_seconds",
@@ -91,7 +91,7 @@ class Traffic:
         self.e2e = Histogram(f"{prefix}e2e_request_latency_seconds", "Arrival to the last token, per choice.",
                              LATENCY)
 
-    def families(self) -> tuple[Counter | Histogram, ...]:
+    def families(self) -> tuple[MetricCounter | Histogram, ...]:
         return (self.ttft, self.tpot, self.e2e, self.requests, self.finished, self.rejected, self.prompt_tokens,
                 self.generation_tokens)
 
@@ -124,12 +124,12 @@ class Metrics:
         self.tpf = Histogram("dgemma_tokens_per_forward", "Committed tokens per decoder pass, per finished request.",
                              TOKENS_PER_FORWARD)
         self.batch = Histogram("dgemma_batch_size", "Sequences denoised together, per engine step.", BATCH)
-        self.passes = Counter("dgemma_decoder_passes_total", "Decoder passes of the diffusion engine.")
-        self.pass_rows = Counter("dgemma_decoder_rows_total", "Rows summed over decoder passes (divided by the "
+        self.passes = MetricCounter("dgemma_decoder_passes_total", "Decoder passes of the diffusion engine.")
+        self.pass_rows = MetricCounter("dgemma_decoder_rows_total", "Rows summed over decoder passes (divided by the "
                                  "passes: rows per pass).")
-        self.done_rows = Counter("dgemma_done_rows_total", "Rows carried in a decoder pass although their canvas "
+        self.done_rows = MetricCounter("dgemma_done_rows_total", "Rows carried in a decoder pass although their canvas "
                                  "was already done (0 with per-row canvas clocks).")
-        self.done_seconds = Counter("dgemma_done_rows_seconds_total", "Engine-step seconds spent on rows already "
+        self.done_seconds = MetricCounter("dgemma_done_rows_seconds_total", "Engine-step seconds spent on rows already "
                                     "done: each step's time times its share of done rows.")
         self._seen = (0, 0, 0)  # the engine's (passes, rows, done_rows) at the last step
 

@@ -13,7 +13,7 @@ from dgemma.api import Model
 from dgemma.sampling import MAX_SEED, SamplingParams, SamplingParamsError
 from dgemma.server.config import ServerConfig
 from dgemma.server.errors import ApiError, bad_request, unsupported
-from dgemma.server.formats import SEEDED_PARAMS
+from dgemma.server.formats import LAYOUT_PARAMS
 from dgemma.server.protocol import OpenAIRequest
 
 GREEDY_T = 1e-3  # temperatures below this (0 included) -> a near-greedy schedule from 1e-3 down to 5e-4
@@ -56,7 +56,7 @@ def schedule(temperature: float | None) -> dict[str, float]:
 def prepare(model: Model, config: ServerConfig, body: OpenAIRequest, prompt: Any, limit: int,
             partition: str | None) -> tuple[list[int], list[SamplingParams]]:
     """A prompt's ids and its choices' SamplingParams (in a worker thread: it tokenizes, compiles a grammar and
-    builds a seeded layout)."""
+    builds a layout)."""
     ids = model.encode_prompt(prompt, limit, body.tool_use(), partition)
     return ids, choice_params(model, config, body, ids, partition)
 
@@ -74,7 +74,8 @@ def choice_params(model: Model, config: ServerConfig, body: OpenAIRequest, ids: 
         {"ar_temperature": body.temperature} if body.temperature is not None else {}
     first = model.params(config.mode, max_new_tokens=new, seed=base, stop=body.stop, grammar=body.grammar(),
                          logprobs=body.logprob_count(), **sampling, **overrides(body), **body.knobs(),
-                         cache_salt=partition, layout_limit=min(room, config.max_tokens or room), **body.seeded())
+                         cache_salt=partition, layout_limit=min(room, config.max_tokens or room),
+                         **body.layout_options())
     model.check_request(ids, first, config.limits, config.mode)
     if base is None:
         return [first] * body.n
@@ -85,7 +86,7 @@ def client_error(e: SamplingParamsError, body: OpenAIRequest, param: str) -> Api
     """A 400 naming the field as the client named it (`param`: the prompt's field, prompt or messages)."""
     renamed = body.renamed()
     names = {"prompt": param, "t_max": "temperature", "ar_temperature": "temperature"} | renamed
-    names |= {k: f"dgemma_sampling.{k}" for k in overrides(body)} | SEEDED_PARAMS
+    names |= {k: f"dgemma_sampling.{k}" for k in overrides(body)} | LAYOUT_PARAMS
     message = re.sub(rf"\b{e.param}\b", renamed[e.param], str(e)) if e.param in renamed else str(e)
     return bad_request(message, names.get(e.param, e.param))
 

@@ -15,7 +15,7 @@ from dgemma.chat import tools as tool_calls
 from dgemma.options import OPTIONS
 from dgemma.sampling import Grammar, SamplingParamsError
 from dgemma.sampling.params import MAX_LOGPROBS
-from dgemma.server.formats import SEEDED, response_grammar, seeded_options
+from dgemma.server.formats import LAYOUT_FIELDS, as_layout_options, response_grammar
 from dgemma.server.responses import chat_logprobs, completion_logprobs
 
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
@@ -132,8 +132,8 @@ class OpenAIRequest(_Knobs):
         """The grammar the output must match (chat's response_format); None: free text."""
         return None
 
-    def seeded(self) -> dict[str, Any]:
-        """Seeded-canvas options for `Model.params` (a completion's suffix, template or edit)."""
+    def layout_options(self) -> dict[str, Any]:
+        """Layout options for `Model.params` (a completion's suffix, template or edit)."""
         return {}
 
     def logprob_count(self) -> int | None:
@@ -178,8 +178,8 @@ class CompletionRequest(OpenAIRequest):
             return "best_of", "best_of > 1"
         return super().unsupported()
 
-    def seeded(self) -> dict[str, Any]:
-        return seeded_options({k: getattr(self, k) for k in SEEDED})
+    def layout_options(self) -> dict[str, Any]:
+        return as_layout_options({k: getattr(self, k) for k in LAYOUT_FIELDS})
 
     def logprob_count(self) -> int | None:
         return self.logprobs

@@ -67,7 +67,7 @@ class SamplingDefaults(BaseModel):
     canvas_length: int
 
 
-class Knob(BaseModel):
+class KnobCard(BaseModel):
     """A sampling knob a request may set (dgemma/knobs/): its request field, value type and what it does."""
 
     name: str
@@ -82,7 +82,7 @@ class ModelCard(BaseModel):
     owned_by: str
     max_model_len: int | None = None
     dgemma_defaults: SamplingDefaults | None = None
-    dgemma_knobs: list[Knob] = Field(default_factory=list, description="the sampling knobs, in the order they run")
+    dgemma_knobs: list[KnobCard] = Field(default_factory=list, description="the sampling knobs, in the order they run")
 
 
 def knob_cards() -> list[dict[str, str]]:

@@ -171,7 +171,7 @@ class Service:
         part = planning.partition(key, body.cache_salt)
         for prompt in prompts:
             try:
-                # the loop never tokenizes (nor compiles a grammar, nor builds a seeded layout): one hop does it all
+                # the loop never tokenizes (nor compiles a grammar, nor builds a layout): one hop does it all
                 ids, params = await self._off_loop(planning.prepare, self.model, self.config, body, prompt, limit,
                                                    part, images=has_parts(prompt))
                 plans += [Plan(ids, p) for p in params]

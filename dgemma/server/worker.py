@@ -33,7 +33,7 @@ class Sink:
 
 
 @dataclass
-class Job:
+class Submission:
     request_id: str
     prompt: list[int]
     params: SamplingParams
@@ -52,7 +52,7 @@ class Worker:
         self.engine = make_engine()
         self.metrics = metrics
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._jobs: dict[str, Job] = {}
+        self._jobs: dict[str, Submission] = {}
         self._requests: dict[str, Request] = {}
         self._unstarted: set[str] = set()  # requests not yet in the batch: told "start" when they are
         self._deadline: float | None = None  # while draining: abort whatever still runs after this time
@@ -69,7 +69,7 @@ class Worker:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, jobs: list[Job]) -> None:
+    def submit(self, jobs: list[Submission]) -> None:
         self._inbox.put(("add", jobs))
 
     def abort(self, request_ids: list[str]) -> None:
@@ -129,7 +129,7 @@ class Worker:
         except queue.Empty:
             return out
 
-    def _add(self, jobs: list[Job]) -> None:
+    def _add(self, jobs: list[Submission]) -> None:
         for job in jobs:
             try:
                 req = self.engine.add_request(job.prompt, job.params, request_id=job.request_id, drafts=job.drafts)

@@ -31,7 +31,7 @@ class Example:
 
 
 @dataclass
-class Batch:
+class TrainBatch:
     """Right-padded clean sequences: row b is prompt_len[b] tokens, then n_canvases[b] canvases, then padding."""
 
     ids: torch.Tensor  # [B, L] long, pad 0
@@ -51,7 +51,7 @@ def rows_of_rank(batch: int, rank: int, world: int) -> slice:
 
 
 def take_rows(rows, index: slice):
-    """A dataclass of tensors with a leading batch dimension (Batch, objective.Noise), cut to `index`."""
+    """A dataclass of tensors with a leading batch dimension (TrainBatch, objective.Noise), cut to `index`."""
     return type(rows)(*(getattr(rows, f.name)[index] for f in dataclasses.fields(rows)))
 
 
@@ -61,7 +61,7 @@ def canvases_of(response: list[int], canvas_length: int, eos: int) -> list[int]:
     return response + [eos] * (n * canvas_length - len(response))
 
 
-def collate(examples: list[Example], canvas_length: int, eos: int, pad: int = 0) -> Batch:
+def collate(examples: list[Example], canvas_length: int, eos: int, pad: int = 0) -> TrainBatch:
     rows = [ex.prompt + canvases_of(ex.response, canvas_length, eos) for ex in examples]
     length = max(len(r) for r in rows)
     b = len(rows)
@@ -79,7 +79,7 @@ def collate(examples: list[Example], canvas_length: int, eos: int, pad: int = 0)
         ar_mask[i, first - 1:last - 1] = True
     prompt_len = torch.tensor([len(ex.prompt) for ex in examples])
     n_canvases = torch.tensor([(len(r) - len(ex.prompt)) // canvas_length for ex, r in zip(examples, rows)])
-    return Batch(ids, valid, ar_mask, prompt_len, n_canvases)
+    return TrainBatch(ids, valid, ar_mask, prompt_len, n_canvases)
 
 
 class TextWindows:
@@ -208,7 +208,7 @@ class Loader:
         self.epoch, self.cursor = state["epoch"], state["cursor"]
         self._order = self._permutation(self.epoch)
 
-    def next(self) -> Batch:
+    def next(self) -> TrainBatch:
         examples = []
         while len(examples) < self.batch_size:
             if self.cursor >= len(self._order):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dgemma.cache import KVCache
-from dgemma.train.data import Batch, rows_of_rank, take_rows
+from dgemma.train.data import TrainBatch, rows_of_rank, take_rows
 
 LOGIT_BUDGET = 2**24  # float32 logits per loss chunk (64 MiB)
 
@@ -124,7 +124,7 @@ class Noise:
     use_sc: torch.Tensor  # [B] bool: pass 2 receives the self-conditioning signal
 
 
-def draw_noise(batch: Batch, cfg: ObjectiveConfig, generator: torch.Generator, canvas_length: int,
+def draw_noise(batch: TrainBatch, cfg: ObjectiveConfig, generator: torch.Generator, canvas_length: int,
                vocab_size: int) -> Noise:
     """Noise level, scored canvas, self-conditioning choice and corruption, drawn row-wise in one fixed order."""
     b = batch.ids.shape[0]
@@ -138,7 +138,7 @@ def draw_noise(batch: Batch, cfg: ObjectiveConfig, generator: torch.Generator, c
     return Noise(context, x0, corrupt(x0, t, vocab_size, generator), use_sc)
 
 
-def compute_losses(model, batch: Batch, cfg: ObjectiveConfig, generator: torch.Generator,
+def compute_losses(model, batch: TrainBatch, cfg: ObjectiveConfig, generator: torch.Generator,
                    autocast: torch.dtype | None = None, part: tuple[int, int] | None = None) -> Losses:
     """The objective on `batch`. With `part` = (rank, world) the batch is the global one: the draws are made for
     all of it (so they do not depend on the world size), this rank scores its rows (rows_of_rank), and each loss

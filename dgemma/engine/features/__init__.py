@@ -4,18 +4,18 @@ it `requires`). COUNTERS: every count of work the features declare, which bench/
 
 from dgemma.engine.features.base import Counter, Feature, Step, bind, counters
 from dgemma.engine.features.drafts import Drafts
-from dgemma.engine.features.early_cache import EarlyCommitCache
 from dgemma.engine.features.early_commit import EarlyCommit
+from dgemma.engine.features.early_commit_cache import EarlyCommitCache
+from dgemma.engine.features.early_first_token import EarlyFirstToken
 from dgemma.engine.features.early_stop import EarlyStop
-from dgemma.engine.features.first_token import FirstToken
-from dgemma.engine.features.grammar import Grammar
-from dgemma.engine.features.infill import Infill
-from dgemma.engine.features.latency import LatencyTarget
+from dgemma.engine.features.grammar import GrammarFeature
+from dgemma.engine.features.layout import LayoutFeature
 from dgemma.engine.features.logprobs import Logprobs
-from dgemma.engine.features.settled import Settled
+from dgemma.engine.features.skip_settled import SkipSettled
+from dgemma.engine.features.target_canvas_ms import TargetCanvasMs
 
-FEATURES: tuple[Feature, ...] = bind((LatencyTarget(), EarlyStop(), Infill(), Grammar(), EarlyCommit(), FirstToken(),
-                                       Logprobs(), Drafts(), Settled(), EarlyCommitCache()))
+FEATURES: tuple[Feature, ...] = bind((TargetCanvasMs(), EarlyStop(), LayoutFeature(), GrammarFeature(), EarlyCommit(),
+                                       EarlyFirstToken(), Logprobs(), Drafts(), SkipSettled(), EarlyCommitCache()))
 COUNTERS: tuple[Counter, ...] = counters(FEATURES)
 
 __all__ = ["COUNTERS", "FEATURES", "Counter", "Feature", "Step", "bind", "counters"]

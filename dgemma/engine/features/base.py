@@ -1,14 +1,14 @@
-"""The row-feature contract: what a request asks beyond plain denoising (a grammar, a seeded canvas, logprobs,
+"""The row-feature contract: what a request asks beyond plain denoising (a grammar, a layout canvas, logprobs,
 early commit, a saving) is one `Feature`. A feature declares, in its one module:
 - its per-row state: a slot the request keeps for it (`of` / `put` / `drop`; `Request.state`), no field of `Request`;
 - its dependencies: `requires` names the features it builds on (earlier in FEATURES), handed over as `needs`;
 - its cost accounting: `counters`, counts of work its rows left out or added, which bench/flops.py prices;
 and hooks the engine calls: when a row is made (`attach`) and its prompt is in its cache (`prefilled`), when a canvas
 starts (`start`, which may commit), before the decoder pass (`shape`: positions kept, hidden, reused, ids moved into
-a cache), after each step (`step` rewrites the step's output, `settle` acts on the canvas after it), and on the
-request's own commit (`visible`, `commit`, `sent`, `moved`, called for the features that hold a slot on it). The
-token-by-token engines call `attach` and `start_sequence`. Hooks act only on the rows that carry the feature; a new
-feature is one module here and one entry in FEATURES (features/__init__.py)."""
+a cache), after each step (`step` rewrites the step's output, `after_step` acts on the canvas after it), and on the
+request's own commit (`visible`, `commit`, `committed_early`, `cached_early`, called for the features that hold a
+slot on it). The token-by-token engines call `attach` and `start_sequence`. Hooks act only on the rows that carry
+the feature; a new feature is one module here and one entry in FEATURES (features/__init__.py)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class Step:
                   exc_info=error)
         self.rows[i].finish("error", self.events)
 
-    def ending(self) -> list[bool]:
+    def done_now(self) -> list[bool]:
         """Rows whose canvas ends at this step: done, or out of denoising steps."""
         cv = self.canvas
         return [d or n >= r.params.max_denoising_steps for d, n, r in zip(cv.done, cv.row_steps, self.rows)]
@@ -110,22 +110,22 @@ class Feature:
     def step(self, s: Step) -> None:
         """After the fused step, before the canvas takes `s.out`."""
 
-    def settle(self, s: Step) -> None:
+    def after_step(self, s: Step) -> None:
         """After the canvas took the step: end rows (`s.canvas.mark_done`), report (`s.events`)."""
 
     # ---- the row's own commit (called by the Request, for the features holding a slot on it) --------------
     def visible(self, req: Request, ids: list[int]) -> list[int] | None:
-        """The part of a canvas the row shows, when this feature decides it (a seeded layout)."""
+        """The part of a canvas the row shows, when this feature decides it (a layout)."""
         return None
 
     def commit(self, req: Request, c: Commit) -> None:
         """The row commits a canvas: reshape what it appends, its logprobs, whether it ends the request."""
 
-    def sent(self, req: Request) -> int:
+    def committed_early(self, req: Request) -> int:
         """Ids of the row's canvas this feature committed ahead of the canvas's end."""
         return 0
 
-    def moved(self, req: Request) -> int:
+    def cached_early(self, req: Request) -> int:
         """Of those, ids already in the row's cache (the canvas's commit encodes only the rest)."""
         return 0
 

@@ -8,5 +8,5 @@ from dgemma.engine.features.base import Feature, Step
 class Drafts(Feature):
     name = "drafts"
 
-    def settle(self, s: Step) -> None:
+    def after_step(self, s: Step) -> None:
         s.canvas.drafts(s.rows, s.events)

@@ -1,5 +1,6 @@
 """Early stop: a row's canvas ends once its mean token entropy falls below the request's `early_stop`, stable or
-not (the rule: sampling/early.py); runs before the features that act on ending rows (grammar, logprobs)."""
+not (the rule: sampling/early.py); runs before the features that act on rows whose canvas is done (grammar,
+logprobs)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dgemma.sampling.early import confident
 class EarlyStop(Feature):
     name = "early_stop"
 
-    def settle(self, s: Step) -> None:
+    def after_step(self, s: Step) -> None:
         live = [i for i, r in enumerate(s.rows)
                 if r.params.early_stop is not None and not r.finished and not s.canvas.done[i]]
         if live:

@@ -11,7 +11,7 @@ from dgemma.engine.request import Event, Request
 from dgemma.sampling.constrained import complete_rows, constrain_step, start_canvas
 
 
-class Grammar(Feature):
+class GrammarFeature(Feature):
     name = "grammar"
 
     def attach(self, req: Request, engine) -> None:
@@ -31,10 +31,10 @@ class Grammar(Feature):
             s.out = constrain_step(grammars, s.out, s.hidden, s.head, s.inv_temp, [r.generator for r in s.rows],
                                    s.canvas.done, s.fail)
 
-    def settle(self, s: Step) -> None:
+    def after_step(self, s: Step) -> None:
         grammars = self._live(s)
         if any(grammars):
-            s.canvas.mark_done(complete_rows(grammars, s.canvas.argmax, s.hidden, s.head, s.ending(), s.fail))
+            s.canvas.mark_done(complete_rows(grammars, s.canvas.argmax, s.hidden, s.head, s.done_now(), s.fail))
 
     def _live(self, s: Step) -> list:
         return [None if r.finished else self.of(r) for r in s.rows]

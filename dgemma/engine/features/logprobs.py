@@ -12,12 +12,12 @@ from dgemma.sampling.logprobs import canvas_logprobs
 class Logprobs(Feature):
     name = "logprobs"
 
-    def settle(self, s: Step) -> None:
+    def after_step(self, s: Step) -> None:
         if not any(r.params.logprobs is not None for r in s.rows):
             return
-        ending, inv_temp = s.ending(), s.inv_temp.tolist()
+        done_now, inv_temp = s.done_now(), s.inv_temp.tolist()
         for i, r in enumerate(s.rows):
-            if r.params.logprobs is not None and ending[i] and self.of(r) is None and not r.finished:
+            if r.params.logprobs is not None and done_now[i] and self.of(r) is None and not r.finished:
                 self.put(r, canvas_logprobs(s.hidden[i], s.canvas.argmax[i].tolist(), s.head, inv_temp[i],
                                             r.params.logprobs))
 

@@ -2,9 +2,9 @@
 it over the prompt: its last hidden state gives the distribution of the answer's first token. A row that asks
 takes its most likely token (a canvas commits its draft's argmax too, and no draw is taken from the row's generator,
 so its canvases see the noise they would see without it), keeps it in its slot, and commits it when its first canvas
-starts, before any denoising pass; the canvas then denoises around it, holding it as its first position (early
-commit's frozen prefix, which this feature requires), so the text sent never changes. An end-of-sequence choice is
-left to the canvas. Its cost: one LM head row per request (`first_token_rows`)."""
+starts, before any denoising pass; the canvas then denoises around it, keeping it as its first position (early
+commit's early-committed prefix, which this feature requires), so the text sent never changes. An end-of-sequence
+choice is left to the canvas. Its cost: one LM head row per request (`first_token_rows`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from dgemma.model.head import Head
 from dgemma.sampling.logprobs import canvas_logprobs
 
 
-class FirstToken(Feature):
+class EarlyFirstToken(Feature):
     name = "early_first_token"
     requires = ("early_commit",)
     counters = (Counter("first_token_rows", "vocab_row", saves=False),)
@@ -47,8 +47,8 @@ class FirstToken(Feature):
                 tokens[i, 0] = token
                 self.needs["early_commit"].begin_with(r, tokens[i], [token], logprobs, events)
 
-    def settle(self, s: Step) -> None:
+    def after_step(self, s: Step) -> None:
         """A row whose budget the first token filled has nothing left to denoise."""
-        sent = self.needs["early_commit"].sent
-        s.canvas.mark_done([i for i, r in enumerate(s.rows) if sent(r) and sent(r) >= r.budget and not r.finished
-                            and not s.canvas.done[i]])
+        committed = self.needs["early_commit"].committed_early
+        s.canvas.mark_done([i for i, r in enumerate(s.rows) if committed(r) and committed(r) >= r.budget
+                            and not r.finished and not s.canvas.done[i]])

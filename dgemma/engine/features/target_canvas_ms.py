@@ -1,7 +1,7 @@
 """Latency target (`target_canvas_ms`): once the engine has measured its step time (`Step.step_seconds`), each
 canvas of a request that asks gets the step budget that fits it (`max_denoising_steps`, capped by the request's own,
 which its slot keeps) and the temperature schedule of that budget (`Canvas.reschedule`), after its first step;
-every schedule starts at t_max, so that first step is the same either way. The rule: sampling/latency.py."""
+every schedule starts at t_max, so that first step is the same either way. The rule: sampling/target_canvas_ms.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import Tensor
 
 from dgemma.engine.features.base import Feature, Step
 from dgemma.engine.request import Event, Request
-from dgemma.sampling.latency import step_budget
+from dgemma.sampling.target_canvas_ms import step_budget
 
 
 @dataclass
@@ -20,7 +20,7 @@ class Budget:
     chosen: bool = False  # this canvas's budget is chosen
 
 
-class LatencyTarget(Feature):
+class TargetCanvasMs(Feature):
     name = "target_canvas_ms"
 
     def attach(self, req: Request, engine) -> None:
@@ -34,7 +34,7 @@ class LatencyTarget(Feature):
             if (b := self.of(r)) is not None:
                 r.params, b.chosen = r.params.replace(max_denoising_steps=b.cap), False
 
-    def settle(self, s: Step) -> None:
+    def after_step(self, s: Step) -> None:
         if s.step_seconds is None:
             return
         for i, r in enumerate(s.rows):

@@ -1,5 +1,5 @@
 """Runners: time one Job (dgemma diffusion, autoregressive decoding, or the `transformers` reference) after a
-warm-up, in a fresh interpreter so that its peak memory is its own. A runner is `once(warmup) -> sample`."""
+warm-up, in a fresh interpreter so that its peak memory is its own. A trial is `once(warmup) -> sample`."""
 
 from __future__ import annotations
 
@@ -67,15 +67,15 @@ def _measure(job: Job) -> dict[str, Any]:
         torch.set_num_threads(job.threads)
     base_rss = rss("VmRSS")
     t0 = time.perf_counter()
-    runner, weights, settings = RUNNERS[job.engine](job)
+    trial, weights, settings = TRIALS[job.engine](job)
     load_seconds, loaded_rss = time.perf_counter() - t0, rss("VmRSS")
     log(f"  loaded in {load_seconds:.1f} s")
     for _ in range(job.warmup):
-        runner(True)
+        trial(True)
     exact_peak = _reset_peak(job.device)
     samples = []
     for i in range(job.repeats):
-        samples.append(s := runner(False))
+        samples.append(s := trial(False))
         log(f"  run {i + 1}/{job.repeats}: {s['seconds']:.2f} s, {sum(s['tokens'])} tokens, {s['steps']} steps")
     peak = rss("VmHWM")
     memory = {"base_rss_bytes": base_rss, "loaded_rss_bytes": loaded_rss, "peak_rss_bytes": peak,
@@ -166,7 +166,7 @@ def checkpoint_params(job: Job):
 
 
 # ---- engines: each returns (once(warmup) -> sample, weights bytes, settings) ------------------------------------
-def _dgemma_runner(job: Job):
+def _dgemma_trial(job: Job):
     import dgemma
 
     model = dgemma.load(job.model, dtype=job.dtype, device=job.device, quantize=job.quantize)
@@ -224,7 +224,7 @@ class _CanvasClock:
         pass
 
 
-def _reference_runner(job: Job):
+def _reference_trial(job: Job):
     import transformers
     from transformers import DiffusionGemmaForBlockDiffusion
 
@@ -269,8 +269,8 @@ def _reference_counts(job: Job, ref, ids: torch.Tensor, out, clock: _CanvasClock
     return {"tokens": tokens, "passes": passes, "steps": clock.passes, "steps_per_canvas": [spc] * len(rows)}
 
 
-RUNNERS = {"dgemma": _dgemma_runner, "autoregressive": _dgemma_runner, "speculative": _dgemma_runner,
-           "reference": _reference_runner}
+TRIALS = {"dgemma": _dgemma_trial, "autoregressive": _dgemma_trial, "speculative": _dgemma_trial,
+           "reference": _reference_trial}
 
 
 def tensor_bytes(module: torch.nn.Module) -> int:

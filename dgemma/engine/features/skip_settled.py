@@ -34,7 +34,7 @@ class SettledState:
         return self.run >= n
 
 
-class Settled(Feature):
+class SkipSettled(Feature):
     name = "skip_settled"
     counters = (Counter("skipped_head_rows", "vocab_row"), Counter("skipped_soft_rows", "vocab_row"),
                 Counter("sparse_soft_rows", "sparse_soft_row"), Counter("skipped_body_rows", "canvas_body_row"))

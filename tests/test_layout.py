@@ -1,6 +1,6 @@
-"""Seeded canvases through the Python API: templates with holes and edits keep their fixed text byte-identical
+"""Layout canvases through the Python API: templates with holes and edits keep their fixed text byte-identical
 (random templates on a random tiny model and on the bundled model), infill holds the suffix fixed in the canvas,
-holes end at their first EOS, and seeded, constrained and plain requests share a batch."""
+holes end at their first EOS, and layout, constrained and plain requests share a batch."""
 
 import json
 import random
@@ -12,7 +12,7 @@ import torch
 import dgemma
 from dgemma import Grammar
 from dgemma.sampling import SamplingParamsError, StepOutput
-from dgemma.sampling.seeded import HOLE, Layout, SeedState, seed_step
+from dgemma.sampling.layout import HOLE, Layout, LayoutState, layout_step
 from server_fixtures import load_with_eos, served_checkpoint
 
 WORDS = ["The", " fox", " said", ":", " hello", "\n", " world", "!", " 42", " é", " über", "{", "}", ",", " and"]
@@ -106,20 +106,20 @@ def test_infill_sees_the_suffix(tiny):
 def test_layout_rules():
     """Holes end at their first EOS; an infill's suffix is context only; fixed positions are frozen each step."""
     lay = Layout.from_parts([[7, 8], 3, [9]])
-    s = SeedState(lay, eos=(1,))
+    s = LayoutState(lay, eos=(1,))
     s.start_canvas(4, "cpu")
     assert s.fixed.tolist() == [True, True, False, False] and s.ids.tolist()[:2] == [7, 8]
     assert s.take([7, 8, 5, 1]) == ([7, 8, 5], False)
     s.start_canvas(4, "cpu")
     assert s.fixed.tolist() == [False, True, True, True] and s.ids.tolist()[1:] == [9, 1, 1]
     assert s.take([6, 9, 1, 1]) == ([9], True)  # the hole ended at EOS: its last token is dropped
-    infill = SeedState(Layout.from_parts([2, [9, 9]], echo=False), eos=(1,))
+    infill = LayoutState(Layout.from_parts([2, [9, 9]], echo=False), eos=(1,))
     assert infill.take([4, 5, 9, 9]) == ([4, 5], True)
     out = StepOutput(torch.tensor([[3, 3, 3, 3]]), torch.tensor([[3, 3, 3, 3]]),
                      torch.zeros(1, 4, dtype=torch.bool), torch.ones(1, 4))
-    s = SeedState(lay, eos=(1,))
+    s = LayoutState(lay, eos=(1,))
     s.start_canvas(4, "cpu")
-    seed_step([s], out)
+    layout_step([s], out)
     assert out.canvas.tolist() == [[7, 8, 3, 3]] and out.argmax.tolist() == [[7, 8, 3, 3]]
     assert out.accepted.tolist() == [[True, True, False, False]] and out.entropy.tolist() == [[0, 0, 1, 1]]
 

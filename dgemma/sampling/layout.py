@@ -1,8 +1,8 @@
-"""Seeded canvases: an output layout of fixed tokens and holes (infill before a suffix, templates with holes,
-edits of a draft). Fixed positions are frozen in the canvas (the decoder attends to them; they are never
+"""Layout canvases: an output layout of fixed tokens and holes (infill before a suffix, templates with holes,
+edits of a draft). Fixed positions are kept in the canvas (the decoder attends to them; they are never
 renoised and count as certain for the stopper); holes are denoised. A hole ends at its first EOS (the rest of
 the hole is dropped from the output), so a hole of n tokens yields at most n. Positions past the layout's end in
-its last canvas are frozen EOS, as the model saw after every answer in training.
+its last canvas are fixed EOS, as the model saw after every answer in training.
 
 Template syntax: `[[hole]]` (DEFAULT_HOLE tokens) or `[[hole:N]]` (at most N tokens); everything else is fixed.
 """
@@ -59,7 +59,7 @@ class Layout:
 
     def check(self, vocab_size: int | None = None) -> None:
         if not self.tokens or all(h < 0 for h in self.holes):
-            raise SamplingParamsError("a seeded canvas needs at least one hole", self.param)
+            raise SamplingParamsError("a layout canvas needs at least one hole", self.param)
         if vocab_size is not None and any(t >= vocab_size for t in self.tokens):
             raise SamplingParamsError("a fixed token is outside the vocabulary", self.param)
 
@@ -122,9 +122,9 @@ def renoised_positions(offsets: list[tuple[int, int]], spans: list[tuple[int, in
     return chosen
 
 
-class SeedState:
+class LayoutState:
     """One request's progress through its layout: the output offset of the current canvas, the holes already
-    ended by an EOS, and this canvas's frozen positions."""
+    ended by an EOS, and this canvas's fixed positions."""
 
     def __init__(self, layout: Layout, eos: tuple[int, ...]):
         self.layout, self.eos = layout, eos
@@ -140,7 +140,8 @@ class SeedState:
         self.ids = torch.tensor([max(t, 0) for t in ids], device=device)
 
     def take(self, canvas: list[int]) -> tuple[list[int], bool]:
-        """A finished canvas -> the ids it adds to the output, and whether the layout is complete."""
+        """A done canvas -> the ids it adds to the output, and whether the layout is finished (every position
+        taken)."""
         lay, kept = self.layout, []
         for j, t in enumerate(canvas[:len(lay.tokens) - self.offset]):
             hole = lay.holes[self.offset + j]
@@ -162,8 +163,8 @@ class SeedState:
         return kept
 
 
-def seed_step(states: list[SeedState | None], out: StepOutput) -> StepOutput:
-    """Freeze the fixed positions of the seeded rows (in place): their ids in the canvas and the draft, accepted,
+def layout_step(states: list[LayoutState | None], out: StepOutput) -> StepOutput:
+    """Keep the fixed positions of the layout rows (in place): their ids in the canvas and the draft, accepted,
     entropy 0."""
     rows = [i for i, s in enumerate(states) if s is not None]
     if rows:
@@ -177,7 +178,7 @@ def seed_step(states: list[SeedState | None], out: StepOutput) -> StepOutput:
     return out
 
 
-def seed_canvas(states: list[SeedState | None], tokens: Tensor) -> None:
+def layout_start(states: list[LayoutState | None], tokens: Tensor) -> None:
     """The first input of a canvas: fixed ids where the layout has them, noise elsewhere (in place)."""
     for i, s in enumerate(states):
         if s is not None:
