@@ -172,7 +172,7 @@ def test_server_messages_take_the_same_path(tiny):
 
 @pytest.mark.parametrize("options", [{"suffix": "end<eos>"}, {"template": "<bos>a[[hole:2]]b<eos>"},
                                      {"edit": "x<eos>y<bos>", "renoise": [(0, 1)]}])
-def test_seeded_canvas_text_stays_text(tiny, options):
+def test_layout_text_stays_text(tiny, options):
     """A suffix, template or draft is output text: its control-token spellings stay text (as the output it
     echoes decodes them)."""
     layout = tiny.params(max_new_tokens=4, **options).layout

@@ -203,7 +203,7 @@ def test_a_call_that_runs_no_step_does_not_count_as_a_step_time(model):
 
 
 def test_the_frozen_prefix_rule_against_a_loop():
-    """early_length / settled / stable_runs against the rule written position by position."""
+    """early_length / decided / stable_runs against the rule written position by position."""
     import torch
 
     from dgemma.sampling.early import decided, early_length, stable_runs

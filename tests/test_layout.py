@@ -124,7 +124,7 @@ def test_layout_rules():
     assert out.accepted.tolist() == [[True, True, False, False]] and out.entropy.tolist() == [[0, 0, 1, 1]]
 
 
-def test_seeded_constrained_and_plain_requests_share_a_batch(tiny):
+def test_layout_constrained_and_plain_requests_share_a_batch(tiny):
     plain = tiny.params(seed=7, max_new_tokens=16, max_denoising_steps=6)
     alone = _run(tiny, [("The quick brown fox", plain)])[0]
     schema = {"type": "array", "items": {"enum": ["x", 3]}, "maxItems": 4}
@@ -145,7 +145,7 @@ def test_seeded_constrained_and_plain_requests_share_a_batch(tiny):
     ({"suffix": "x", "template": "[[hole]]"}, "template"),
     ({"template": "[[hole]]", "grammar": Grammar.json_object()}, "template"),
 ])
-def test_bad_seeded_requests_name_the_parameter(tiny, options, param):
+def test_bad_layout_requests_name_the_parameter(tiny, options, param):
     with pytest.raises(SamplingParamsError) as e:
         tiny.params(**options)
     assert e.value.param == param
