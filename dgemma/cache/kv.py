@@ -118,11 +118,11 @@ class KVCache:
         """First cached slot visible to tokens added at `start`: sliding layers keep the last window - 1."""
         return max(0, start - self.cfg.sliding_window + 1) if sliding else 0
 
-    def layout(self, sliding: bool, lo: int, start: int, n: int) -> tuple[int, Tensor | None]:
+    def key_slots(self, sliding: bool, lo: int, start: int, n: int) -> tuple[int, Tensor | None]:
         """For a pass adding n slots at `start` that sees slots lo..: (the first slot among the keys `view`
         returns, their slot ids [S] in key order, or None when they are first..start+n in order)."""
         store = next(s for i, s in enumerate(self.stores) if self.cfg.layer(i).sliding == sliding)
-        return store.layout(lo, start, n, self.valid.device)
+        return store.key_slots(lo, start, n, self.valid.device)
 
     def encoder_span(self, start: int, n: int, sliding: bool, groups: Tensor | None = None) -> views.Span:
         """What the causal encoder's n new tokens at `start` see (`views.encoder_span`; `groups`: image runs)."""

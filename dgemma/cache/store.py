@@ -6,7 +6,7 @@ A store holds `fields` tensors [B, kv_heads, slots, D] per layer: keys and value
 (full-attention layers, whose keys and values both derive from k_proj's output: the attention stores that alone
 and derives them when it reads). `view(lo, start, *new)` stores the new tensors of slots start..start+n and
 returns what a pass attends to: the slots lo..start+n, in slot order, except on a wrapped ring, where they come in
-ring order (`layout` gives that order and the first slot returned, so that masks line up with the keys).
+ring order (`key_slots` gives that order and the first slot returned, so that masks line up with the keys).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class LinearStore:
         for t, x in zip(self.data, new, strict=True):
             t[rows, :, start:start + x.shape[2]] = x
 
-    def layout(self, lo: int, start: int, n: int, device) -> tuple[int, Tensor | None]:
+    def key_slots(self, lo: int, start: int, n: int, device) -> tuple[int, Tensor | None]:
         return lo, None
 
     def view(self, lo: int, start: int, new: Fields) -> Fields:
@@ -104,7 +104,7 @@ class RingStore(LinearStore):
         """Slot held at each index of a full ring whose newest slot is hi - 1."""
         return (torch.arange(self.ring, device=device) - hi) % self.ring + hi - self.ring
 
-    def layout(self, lo: int, start: int, n: int, device) -> tuple[int, Tensor | None]:
+    def key_slots(self, lo: int, start: int, n: int, device) -> tuple[int, Tensor | None]:
         hi = start + n
         if self._in_place(lo, start, n):
             return (lo, None) if hi <= self.ring else (hi - self.ring, self._slots(hi, device))

@@ -23,7 +23,7 @@ class CacheLike(Protocol):
 
     def window_start(self, sliding: bool, start: int) -> int: ...
 
-    def layout(self, sliding: bool, lo: int, start: int, n: int) -> tuple[int, Tensor | None]: ...
+    def key_slots(self, sliding: bool, lo: int, start: int, n: int) -> tuple[int, Tensor | None]: ...
 
     def has_padding(self, lo: int) -> bool: ...
 
@@ -88,7 +88,7 @@ def encoder_span(cache: CacheLike, start: int, n: int, sliding: bool, groups: Te
     the keys are exactly those slots, nothing visible is padding and the sliding window cuts no query's view short:
     one new token sees every slot; a first chunk is plain causal."""
     lo, window = cache.window_start(sliding, start), cache.cfg.sliding_window
-    first, slots = cache.layout(sliding, lo, start, n)
+    first, slots = cache.key_slots(sliding, lo, start, n)
     window_cuts = sliding and start + n - window > lo
     exact = first == lo and slots is None and groups is None
     if exact and not cache.has_padding(lo) and not window_cuts and (n == 1 or start == lo):
@@ -105,7 +105,7 @@ def decoder_span(cache: CacheLike, start: int, n: int, sliding: bool, hide: int 
     and the valid cached slots; the cache knows on the host whether any visible slot is padding, so the unpadded
     case needs no device read and no mask."""
     lo = cache.window_start(sliding, start)
-    first, slots = cache.layout(sliding, lo, start, n)
+    first, slots = cache.key_slots(sliding, lo, start, n)
     if first >= lo and not cache.has_padding(lo) and not hide:
         return Span(lo)
     kv = torch.arange(first, start + n, device=cache.valid.device) if slots is None else slots
