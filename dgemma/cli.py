@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 from collections.abc import Iterator
 
@@ -123,11 +124,16 @@ def _check_mode_options(args: argparse.Namespace) -> None:
     if args.mode != "diffusion" and args.sampling == "reference":
         raise DgemmaError(f"--sampling reference applies to diffusion decoding; --mode {args.mode} samples with "
                           "--ar-temperature (and --seed)")
-    try:
-        check_modes([k for k, v in _fields(args).items() if v is not None], args.mode, args.sampling)
-    except SamplingParamsError as e:
-        flag = "--steps" if e.param == "max_denoising_steps" else "--" + e.param.replace("_", "-")
-        raise DgemmaError(str(e).replace(e.param, flag, 1)) from None
+    check_modes([k for k, v in _fields(args).items() if v is not None], args.mode, args.sampling)
+
+
+def _message(e: DgemmaError, args: argparse.Namespace) -> str:
+    """An error about a request field a flag set names the flag (`--steps 0`, not max_denoising_steps=0)."""
+    param = getattr(e, "param", None)
+    if not isinstance(e, SamplingParamsError) or not hasattr(args, "steps") or param not in _fields(args):
+        return str(e)
+    flag = "--steps" if param == "max_denoising_steps" else "--" + param.replace("_", "-")
+    return re.sub(rf"\b{param}\b", flag, str(e), count=1)
 
 
 def _grammar(args: argparse.Namespace):
@@ -271,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     except DgemmaError as e:
         if args.debug:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_message(e, args)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

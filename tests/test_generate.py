@@ -219,8 +219,8 @@ def test_cli_json_and_errors(pair):
     assert len(out["token_ids"]) == 4 and out["finish_reason"] == "length"
     assert out["token_ids"] == model.generate([5, 6, 7], max_new_tokens=4, seed=1).token_ids
     assert out["stats"]["steps_per_canvas"] and out["stats"]["tokens_per_forward"] > 0
-    for args, message in [(["--max-new-tokens", "0"], "max_new_tokens"), (["--steps", "-3"], "max_denoising_steps"),
-                          (["--t-min", "2", "--t-max", "1"], "t_max")]:
+    for args, message in [(["--max-new-tokens", "0"], "--max-new-tokens=0"), (["--steps", "-3"], "--steps=-3"),
+                          (["--t-min", "2", "--t-max", "1"], "--t-max")]:  # the flag, not the field (issue 43)
         r = _cli("generate", "--model", str(d), "--prompt-ids", "5,6", *args)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
         assert r.stderr.strip().count("\n") == 0
