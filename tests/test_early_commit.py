@@ -381,4 +381,4 @@ def test_refused_without_early_commit(model32, capsys):
 
     assert main(["generate", PROMPT, "--max-new-tokens", "8", "--early-commit-cache"]) != 0
     err = capsys.readouterr().err.strip()
-    assert "early_commit_cache needs early_commit" in err and len(err.splitlines()) == 1
+    assert "--early-commit-cache needs early_commit" in err and len(err.splitlines()) == 1

@@ -165,7 +165,7 @@ def test_the_cli_takes_the_savings_and_refuses_bad_values(capsys):
     assert stats["sparse_soft_rows"] > 0  # the flag reached the engine
     assert main(["generate", "Hello", "--soft-top-k", "0"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "soft_top_k" in err and len(err.splitlines()) == 1
+    assert "--soft-top-k" in err and len(err.splitlines()) == 1
 
 
 @pytest.mark.parametrize("prompt_len", [9, 200])  # 200: past the sliding layers' ring (window 128 + canvas)

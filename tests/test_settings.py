@@ -123,7 +123,7 @@ def test_one_rule_gives_one_message_from_the_api_the_cli_and_the_server(server, 
     with pytest.raises(SamplingParamsError, match=r"^max_denoising_steps=0 must be an integer in \[1, 10000\]$"):
         model.generate([5, 6], max_denoising_steps=0)
     assert main(["generate", "--model", str(model.directory), "--prompt-ids", "5,6", "--steps", "0"]) == 2
-    assert capsys.readouterr().err == f"error: {STEPS}\n"
+    assert capsys.readouterr().err == f"error: {STEPS.replace('max_denoising_steps', '--steps')}\n"  # its flag
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "dgemma_sampling": {
         "max_denoising_steps": 0}}, timeout=30)
     assert r.status_code == 400
