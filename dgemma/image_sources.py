@@ -100,7 +100,7 @@ def _fetch(url: str, limits: ImageLimits, param: str) -> bytes:
 
     class HttpOnly(urllib.request.HTTPRedirectHandler):
         def redirect_request(self, req, fp, code, msg, headers, newurl):
-            if _SCHEME.match(newurl) is None or _SCHEME.match(newurl).group(1).lower() not in ("http", "https"):
+            if (m := _SCHEME.match(newurl)) is None or m.group(1).lower() not in ("http", "https"):
                 raise ValueError("a redirect leaves http(s)")
             return super().redirect_request(req, fp, code, msg, headers, newurl)
 

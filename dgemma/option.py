@@ -25,7 +25,6 @@ class Option:
     metavar: str
     help: str
     modes: tuple[str, ...] = DIFFUSION
-    samplings: tuple[str, ...] = ("fast",)
     wire: str | None = None
     check: Callable[[Any, int | None], None] | None = None
     normalize: Callable[[Any], Any] | None = None
@@ -36,6 +35,3 @@ class Option:
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
-
-    def applies(self, mode: str, sampling: str = "fast") -> bool:
-        return mode in self.modes and sampling in self.samplings

@@ -30,7 +30,7 @@ def next_token(req: Request, logits: torch.Tensor, pending: list[int] = ()) -> i
     if req.grammar is not None:
         logits = logits.masked_fill(~req.grammar.allowed().to(logits.device), -math.inf)
     t = req.params.ar_temperature
-    process = Processor.of(req.params, req.prompt, [*req.output, *pending], logits.shape[-1])
+    process = Processor.of(req.params, req.prompt, req.output, logits.shape[-1], pending)
     if process is not None:  # the temperature is the processor's: after the penalties, before the truncations
         logits, t = process(logits, 1 / t if t else None), 1.0 if t else 0.0
     token = int(sample_next(logits, t, req.generator)[0])

@@ -6,6 +6,7 @@ processors: the sample, the draft (argmax), the entropy the acceptance reads, an
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -19,19 +20,26 @@ BLOCK_BYTES = 64 << 20  # float32 logits materialized at once
 
 
 class History:
-    """What a row's penalties count: its prompt (repetition) and its committed output (all three); ids past the
-    vocabulary (an image's soft tokens) are not tokens."""
+    """What a row's penalties count: its prompt (repetition) and its committed output (all three), the `pending`
+    ids chosen before this one included; ids past the vocabulary (an image's soft tokens) are not tokens. Each count
+    is made once per history (presence and frequency share theirs)."""
 
-    def __init__(self, prompt: list[int], output: list[int], vocab: int):
-        self.prompt, self.output, self.vocab = prompt, output, vocab
+    def __init__(self, prompt: list[int], output: list[int], vocab: int, pending: Sequence[int] = ()):
+        self.prompt, self.output, self.vocab = prompt, [*output, *pending], vocab
+        self._seen: Tensor | None = None
+        self._counts: Tensor | None = None
 
     def seen(self, device: torch.device) -> Tensor:
-        ids = torch.tensor(self.prompt + self.output, dtype=torch.long, device=device)
-        return ids[ids < self.vocab].unique()
+        if self._seen is None:
+            ids = torch.tensor(self.prompt + self.output, dtype=torch.long, device=device)
+            self._seen = ids[ids < self.vocab].unique()
+        return self._seen
 
     def counts(self, vocab: int, device: torch.device) -> Tensor:
-        ids = torch.tensor(self.output, dtype=torch.long, device=device)
-        return torch.bincount(ids[ids < vocab], minlength=vocab).float()
+        if self._counts is None:
+            ids = torch.tensor(self.output, dtype=torch.long, device=device)
+            self._counts = torch.bincount(ids[ids < vocab], minlength=vocab).float()
+        return self._counts
 
 
 class Processor:
@@ -41,10 +49,11 @@ class Processor:
         self.steps, self.history = steps, history
 
     @classmethod
-    def of(cls, params, prompt: list[int], output: list[int], vocab: int) -> Processor | None:
-        """None when the row asked for no knob (its decoding is the plain one, fused)."""
+    def of(cls, params, prompt: list[int], output: list[int], vocab: int,
+           pending: Sequence[int] = ()) -> Processor | None:
+        """None when the row asked for no knob (its decoding is the plain one, fused); nothing is copied then."""
         steps = [(k, getattr(params, k.option.name)) for k in KNOBS if k.active(getattr(params, k.option.name))]
-        return cls(steps, History(prompt, output, vocab)) if steps else None
+        return cls(steps, History(prompt, output, vocab, pending)) if steps else None
 
     def __call__(self, logits: Tensor, inv_temp: Tensor | float | None) -> Tensor:
         """Processed logits [N, V] (float32, a new tensor) at 1 / `inv_temp` ([N, 1] or a number); None: greedy,

@@ -17,8 +17,19 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: d
 
 def readable(path: str | Path) -> None:
     """A file, or every file in a folder, given the process's default mode (0666 less the umask)."""
-    umask = os.umask(0)
-    os.umask(umask)
+    umask = _umask()
     path = Path(path)
     for f in (p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
         os.chmod(f, 0o666 & ~umask)
+
+
+def _umask() -> int:
+    """The process's umask, read (Linux) rather than set and restored: setting it, even for a moment, changes the
+    mode of files other threads create meanwhile."""
+    try:
+        return int(next(line.split()[1] for line in Path("/proc/self/status").read_text().splitlines()
+                        if line.startswith("Umask:")), 8)
+    except (OSError, StopIteration):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
