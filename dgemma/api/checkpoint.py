@@ -20,20 +20,27 @@ QUANT_DEVICES = ("cpu", "cuda")  # where the decode ops (bit shifts on uint8, in
 AUTO_FLOAT32_BYTES = 4 << 30  # "auto" upcasts bf16 checkpoints up to this size where bf16 is slow
 
 
-def open_checkpoint(path_or_repo: str | Path | None, dtype: str | torch.dtype, device: str | torch.device,
-                    compile: bool, quantize: str | None,
-                    revision: str | None = None) -> tuple[torch.nn.Module, Tokenizer | None, Path, dict]:
-    """(the DiffusionGemma module, its tokenizer or None, the checkpoint directory or GGUF file, its generation
-    config) for `dgemma.load`, whose docstring says what each argument does."""
-    spec = parse_quantize(quantize)
+def locate(path_or_repo: str | Path | None, revision: str | None = None) -> tuple[Path, bool]:
+    """Where a checkpoint is, and whether it is a GGUF file: the bundled demo (None), a GGUF file, a directory, or a
+    Hugging Face repo id (fetched unless cached; `revision` applies to a repo id only)."""
     if revision is not None and (path_or_repo is None or is_gguf(path_or_repo)):
         raise DgemmaError("--revision applies to a Hugging Face repo id")
     if path_or_repo is None:
         if not (DEMO_MODEL / "config.json").is_file():
             raise DgemmaError("the bundled demo model is missing from this install; pass --model PATH")
         path_or_repo = DEMO_MODEL
-    gguf = is_gguf(path_or_repo)
-    directory = Path(path_or_repo).expanduser() if gguf else resolve_checkpoint(path_or_repo, revision)
+    if is_gguf(path_or_repo):
+        return Path(path_or_repo).expanduser(), True
+    return resolve_checkpoint(path_or_repo, revision), False
+
+
+def open_checkpoint(path_or_repo: str | Path | None, dtype: str | torch.dtype, device: str | torch.device,
+                    compile: bool, quantize: str | None,
+                    revision: str | None = None) -> tuple[torch.nn.Module, Tokenizer | None, Path, dict]:
+    """(the DiffusionGemma module, its tokenizer or None, the checkpoint directory or GGUF file, its generation
+    config) for `dgemma.load`, whose docstring says what each argument does."""
+    spec = parse_quantize(quantize)
+    directory, gguf = locate(path_or_repo, revision)
     device = _device(device)
     _check_quantize(spec, device)
     stored = spec if spec is None or spec.requantizes else None

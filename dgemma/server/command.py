@@ -109,17 +109,10 @@ def _uvicorn_server(config, service):
 
 def _check_model(model: str | None, revision: str | None = None) -> None:
     """Fail before binding when the checkpoint cannot exist, and fetch a repo id that is not cached yet (loading
-    itself happens after start-up)."""
-    from dgemma.api import DEMO_MODEL
-    from dgemma.weights import is_gguf, resolve_checkpoint
+    itself happens after start-up): the loader's own `locate`."""
+    from dgemma.api.checkpoint import locate
 
-    if model is None or is_gguf(model):
-        if revision is not None:
-            raise DgemmaError("--revision applies to a Hugging Face repo id")
-        if model is None and not (DEMO_MODEL / "config.json").is_file():
-            raise DgemmaError("the bundled demo model is missing from this install; pass --model PATH")
-        return
-    resolve_checkpoint(model, revision)
+    locate(model, revision)
 
 
 def _default_name(model: str | None) -> str:
