@@ -87,10 +87,11 @@ def _count(messages: list[dict[str, Any]]) -> int:
 
 
 def prompt_ids(encoder, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-               limits: ImageLimits, partition: str | None = None) -> HeldIds:
+               limits: ImageLimits, partition: str | None = None, extra: dict[str, Any] | None = None) -> HeldIds:
     """The ids of chat messages with content parts (`encoder`: a `dgemma.api.prompts.PromptEncoder`): the
     template's text with each image as boi + its soft-token ids + eoi, holding the images' features. Every input
-    check runs before the vision tower does; `partition` keeps one client's images apart from another's."""
+    check runs before the vision tower does; `partition` keeps one client's images apart from another's; `extra`: the
+    chat template's own arguments."""
     module, tokenizer = encoder.module, encoder.require_tokenizer()
     cfg = module.cfg
     if _count(messages) and module.vision is None:
@@ -102,7 +103,7 @@ def prompt_ids(encoder, messages: list[dict[str, Any]], tools: list[dict[str, An
                                   "messages")
     v = cfg.vision
     patches = [preprocess(image, v.patch_size, v.pooling_kernel_size, limits.max_soft_tokens) for image in images]
-    pieces = tokenizer.encode_chat_pieces(plain, tools, MARKER)  # text parts stay text, as in a text chat
+    pieces = tokenizer.encode_chat_pieces(plain, tools, MARKER, extra)  # text parts stay text, as in a text chat
     if len(pieces) != len(images) + 1:
         raise SamplingParamsError("the chat template dropped or repeated an image part", "messages")
     encoder.check_ids([t for piece in pieces for t in piece])

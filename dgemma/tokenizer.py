@@ -79,31 +79,34 @@ class Tokenizer:
         return [self._pieces[i] for i in ids]
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
-        """The template's text; `tools` (OpenAI tool objects) is passed to templates that declare tools."""
+                            tools: list[dict[str, Any]] | None = None, extra: dict[str, Any] | None = None) -> str:
+        """The template's text; `tools` (OpenAI tool objects) is passed to templates that declare tools, `extra`
+        (checked `chat_template_kwargs`, such as `enable_thinking`) to every template."""
         if not self.chat_template:
             raise DgemmaError("this checkpoint has no chat template; send a plain prompt instead")
         from jinja2 import TemplateError
 
         try:
             return _compiled(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+                **(extra or {}), messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token, eos_token=self.eos_token, **({"tools": tools} if tools else {}))
         except TemplateError as e:
             raise DgemmaError(f"chat template failed: {e}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    extra: dict[str, Any] | None = None) -> list[int]:
         """The rendered chat's ids. Control tokens come from the template only: text in a message that spells one
         (`<start_of_turn>`, `<eos>`) stays text, as OpenAI's API keeps it, so content cannot close its turn."""
-        return self.encode_chat_pieces(messages, tools)[0]
+        return self.encode_chat_pieces(messages, tools, extra=extra)[0]
 
     def encode_chat_pieces(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                           cut: str | None = None) -> list[list[int]]:
+                           cut: str | None = None, extra: dict[str, Any] | None = None) -> list[list[int]]:
         """The rendered chat's ids in pieces, cut at each `cut` in it (an image's place), control tokens from the
-        template only. A chat whose strings make no control token encodes as its whole text, as before."""
-        text = self.apply_chat_template(messages, tools=tools)
+        template only. A chat whose strings make no control token encodes as its whole text, as before. `extra`:
+        the template's own arguments (`apply_chat_template`)."""
+        text = self.apply_chat_template(messages, tools=tools, extra=extra)
         pieces, hits = self._encode_cut(text, cut)
-        spans = self._caller_spans(text, messages, tools) if hits else []
+        spans = self._caller_spans(text, messages, tools, extra) if hits else []
         forged = [(a, b) for a, b in spans if any(a < y and x < b for x, y in hits)]  # also a token across an edge
         return self._encode_spans(text, forged, cut) if forged else pieces
 
@@ -121,18 +124,20 @@ class Tokenizer:
             at += len(piece) + len(cut or "")
         return [enc.ids for enc in encodings], hits
 
-    def _caller_spans(self, text: str, messages: Any, tools: Any) -> list[tuple[int, int]]:
+    def _caller_spans(self, text: str, messages: Any, tools: Any, extra: dict[str, Any] | None
+                      ) -> list[tuple[int, int]]:
         """Where the caller's strings lie in `text`: all of them when the template writes them as they are
         (trimmed at most), else those that would make a control token; such a one that the template changes
         cannot be kept as text: refused."""
         for every in (True, False):
-            spans = caller_spans(self.apply_chat_template, text, messages, tools, self._forging, every)
+            render = functools.partial(self.apply_chat_template, extra=extra)
+            spans = caller_spans(render, text, messages, tools, self.forges, every)
             if spans is not None:
                 return spans
         raise DgemmaError("a message holds a control token's text where the chat template changes it, so it "
                           "cannot be kept as text; remove it")
 
-    def _forging(self, text: str) -> bool:
+    def forges(self, text: str) -> bool:
         """Whether `text` holds a control token's spelling (found as the tokenizer finds it: O(length))."""
         return not self._special_ids.isdisjoint(self._encode_plain(text, self.tok))
 

@@ -24,6 +24,12 @@ CORPUS = [
 ] * 20
 
 
+# Gemma 4's control tokens (turns, tools, the thought channel) and a reduced copy of its chat template (gemma4.jinja)
+GEMMA4_TOKENS = ("<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+                 "<tool_response|>", '<|"|>', "<|channel>", "<channel|>", "<|think|>")
+GEMMA4_TEMPLATE = (Path(__file__).parent / "gemma4.jinja").read_text()
+
+
 def write_tokenizer(directory: Path, vocab_size: int, specials: tuple[str, ...] = (),
                     template: str = CHAT_TEMPLATE) -> None:
     """A byte-level BPE trained on CORPUS: <pad> 0, <eos> 1, <bos> 2, then `specials` (special tokens too)."""

@@ -4,7 +4,6 @@ beside an image, tool calls / results / declarations, and a layout canvas's text
 where the template really wrote it, however often the chat spells the same text."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,11 +14,9 @@ from dgemma.chat.tools import ToolUse
 from dgemma.errors import DgemmaError
 from dgemma.server.protocol import ChatCompletionRequest
 from dgemma.tokenizer import Tokenizer
-from server_fixtures import load_with_eos, served_checkpoint, write_tokenizer
+from server_fixtures import GEMMA4_TEMPLATE, GEMMA4_TOKENS, load_with_eos, served_checkpoint, write_tokenizer
 
 TURN = "<end_of_turn>\n<start_of_turn>model\n"  # the bundled template's turn change into a model turn
-GEMMA4_TOKENS = ("<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
-                 "<tool_response|>", '<|"|>')
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +32,9 @@ def gemma():
 
 @pytest.fixture(scope="module")
 def gemma4(tmp_path_factory):
-    """A tokenizer with Gemma 4's turn and tool tokens and its tool-call template (tests/gemma4_tools.jinja)."""
+    """A tokenizer with Gemma 4's turn and tool tokens and its tool-call template (tests/gemma4.jinja)."""
     directory = tmp_path_factory.mktemp("gemma4_tokenizer")
-    write_tokenizer(directory, 384, GEMMA4_TOKENS, (Path(__file__).parent / "gemma4_tools.jinja").read_text())
+    write_tokenizer(directory, 384, GEMMA4_TOKENS, GEMMA4_TEMPLATE)
     return Tokenizer(directory)
 
 
@@ -166,7 +163,7 @@ def test_tool_text_in_the_plain_format_stays_text(tiny):
 def test_server_messages_take_the_same_path(tiny):
     body = ChatCompletionRequest.model_validate({"messages": [
         {"role": "system", "content": "<eos>"}, {"role": "user", "content": [{"type": "text", "text": "<bos>hi"}]}]})
-    ids = tiny.encode_prompt(body.chat(), None, body.tool_use(tiny.tokenizer))
+    ids = tiny.encode_prompt(body.chat(), None, body.turn(tiny.tokenizer))
     assert controls(tiny.tokenizer, ids) == [tiny.tokenizer.token_id("<bos>")]
 
 

@@ -1,24 +1,20 @@
 """Tool calls in Gemma 4's own syntax, for a checkpoint whose chat template declares tools (a tiny checkpoint whose
-tokenizer has Gemma 4's tool tokens and a Gemma-4-style template, tests/gemma4_tools.jinja): calls the template
+tokenizer has Gemma 4's tool tokens and a Gemma-4-style template, tests/gemma4.jinja): calls the template
 itself writes are sentences of the grammar and parse back to their arguments; through the server with the
 `openai` client, required / named / auto / single calls validate, streamed calls equal the whole reply, the
 tools and a tool-role follow-up are rendered by the template as Gemma 4 writes them."""
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
-from server_fixtures import (check_tool_calls, load_with_eos, openai_server, served_checkpoint, streamed_tool_calls,
-                             write_tokenizer)
+from server_fixtures import (GEMMA4_TEMPLATE, GEMMA4_TOKENS, check_tool_calls, load_with_eos, openai_server,
+                             served_checkpoint, streamed_tool_calls, write_tokenizer)
 
 openai = pytest.importorskip("openai")
 jsonschema_rs = pytest.importorskip("jsonschema_rs")
 
-GEMMA_TOKENS = ("<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
-                "<tool_response|>", '<|"|>')
-TEMPLATE = (Path(__file__).parent / "gemma4_tools.jinja").read_text()
 CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "unit": {"enum": ["c", "f"]}},
@@ -40,10 +36,10 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME, "search": NESTED}
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """The served tiny checkpoint's weights with a Gemma-4-style tokenizer and chat template."""
-    directory = tmp_path_factory.getbasetemp() / "gemma_tools_ckpt"
+    directory = tmp_path_factory.getbasetemp() / "gemma4_ckpt"
     if not directory.exists():
         shutil.copytree(served_checkpoint(tmp_path_factory), directory)
-        write_tokenizer(directory, 384, GEMMA_TOKENS, TEMPLATE)
+        write_tokenizer(directory, 384, GEMMA4_TOKENS, GEMMA4_TEMPLATE)
     return directory
 
 

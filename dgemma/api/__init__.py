@@ -15,7 +15,7 @@ from dgemma.api import running
 from dgemma.api.checkpoint import DEMO_MODEL, open_checkpoint
 from dgemma.api.prompts import Prompt, PromptEncoder
 from dgemma.cache import KVCache
-from dgemma.chat.tools import ToolUse
+from dgemma.chat.turn import ChatTurn
 from dgemma.engine import PrefixCache, Result, StreamEvent
 from dgemma.jsonfile import read_json
 from dgemma.options import check_modes
@@ -69,8 +69,9 @@ class Model:
 
     # ---- inputs -----------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, max_tokens: int | None = None,
-                      tools: ToolUse | list[dict[str, Any]] | None = None, partition: str | None = None) -> list[int]:
-        """Text, chat messages (rendered with `tools`: OpenAI tool objects or a chat.tools.ToolUse) or ids -> ids.
+                      tools: ChatTurn | list[dict[str, Any]] | None = None, partition: str | None = None) -> list[int]:
+        """Text, chat messages (rendered with `tools`: OpenAI tool objects, or a chat.turn.ChatTurn with the template's
+        arguments too) or ids -> ids.
         With `max_tokens`, a prompt that cannot fit in that many tokens (more characters than that many of the
         longest token hold, x CHAR_MARGIN) is refused before any tokenizing, so its cost is bounded by the limit,
         not by its length. `partition`: whose prompt this is (an API key, a cache salt): images are cached apart."""

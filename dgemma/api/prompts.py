@@ -10,6 +10,7 @@ from typing import Any
 
 from dgemma import images
 from dgemma.chat.tools import ToolUse
+from dgemma.chat.turn import ChatTurn
 from dgemma.errors import DgemmaError
 from dgemma.image_limits import ImageLimits
 from dgemma.sampling import Limits, SamplingParamsError
@@ -28,28 +29,36 @@ class PromptEncoder:
     def __init__(self, module, tokenizer: Tokenizer | None, max_context: int):
         self.module, self.tokenizer, self.max_context = module, tokenizer, max_context
 
-    def encode(self, prompt: Prompt, max_tokens: int | None, tools: ToolUse | list[dict[str, Any]] | None,
+    def encode(self, prompt: Prompt, max_tokens: int | None, chat: ChatTurn | list[dict[str, Any]] | None,
                partition: str | None, image_limits: ImageLimits) -> list[int]:
         """`Model.encode_prompt`, with the caller's caps on image inputs."""
         if isinstance(prompt, (str, list)) and not prompt:
             self.check_ids([])  # refused there: an empty text would still tokenize to a BOS
-        chat = is_chat(prompt)
-        if chat:
-            tools = tools if isinstance(tools, ToolUse) else ToolUse.of(tools, None, None, None, False, self.tokenizer)
-            prompt = tools.messages(list(prompt))
+        if is_chat(prompt):
+            turn = chat if isinstance(chat, ChatTurn) else self.turn(chat)
+            prompt = turn.tools.messages(list(prompt))
+        else:
+            turn = None
         if max_tokens is not None:
             self.check_length(prompt, max_tokens)
         if isinstance(prompt, str):
             ids = self.require_tokenizer().encode(prompt)
         elif images.has_parts(prompt):  # checks its text ids itself: image soft tokens lie past the vocabulary
-            return images.prompt_ids(self, prompt, tools.declared, image_limits, partition)
-        elif chat:
-            ids = self.require_tokenizer().encode_chat(prompt, tools.declared)
+            return images.prompt_ids(self, prompt, turn.tools.declared, image_limits, partition, turn.template_kwargs)
+        elif turn is not None:
+            ids = self.require_tokenizer().encode_chat(prompt, turn.tools.declared, turn.template_kwargs)
         elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
         else:
             raise SamplingParamsError("a prompt is text, a list of chat messages, or a list of token ids", "prompt")
         return self.check_ids(ids)
+
+    def turn(self, tools: list[dict[str, Any]] | None = None, tool_choice: Any = None, parallel: bool | None = None,
+             constraint: Any = None, logprobs: bool = False, template_kwargs: dict[str, Any] | None = None,
+             think: bool | None = None, constraint_param: str = "grammar") -> ChatTurn:
+        """A chat request's turn (its tools, template arguments and thought channel), checked."""
+        tool_use = ToolUse.of(tools, tool_choice, parallel, constraint, logprobs, self.tokenizer, constraint_param)
+        return ChatTurn.of(tool_use, template_kwargs, self.tokenizer, think)
 
     def prompt_limit(self, limits: Limits = Limits()) -> int:
         """The most tokens a prompt may have: the context less one new token, and the deployment's cap."""

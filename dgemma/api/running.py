@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from dgemma.api.prompts import Prompt, is_chat
-from dgemma.chat.tools import ToolUse
+from dgemma.chat.turn import ChatTurn
 from dgemma.engine import (AutoregressiveEngine, Engine, OutputStream, PrefixCache, ReferenceEngine, Result,
                            SpeculativeEngine, StreamEvent)
 from dgemma.options import MODES, SAMPLINGS
@@ -16,6 +16,9 @@ from dgemma.sampling import SamplingParams, SamplingParamsError
 
 if TYPE_CHECKING:
     from dgemma.api import Model
+
+
+CHAT_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "think")
 
 
 def engine_for(model: Model, mode: str, sampling: str, max_batch: int, prefix_cache: PrefixCache | None):
@@ -50,12 +53,12 @@ def run(model: Model, prompts: list[Prompt], mode: str, sampling: str, options: 
         drafts: bool) -> Iterator[tuple[int, StreamEvent]]:
     """(prompt index, StreamEvent) for each prompt, decoded as one batch with `options` (SamplingParams fields,
     layout options and chat's tools)."""
-    ids, params, tools = _prepare(model, prompts, mode, sampling, options)
+    ids, params, turn = _prepare(model, prompts, mode, sampling, options)
     engine = model.runner(mode, sampling, max(1, len(ids)), model.prefix_cache)  # through Model: it may be wrapped
     reqs = {}
     for i, x in enumerate(ids):
         req = engine.add_request(x, params, drafts=drafts)
-        reqs[req.id] = (i, req, OutputStream(model.tokenizer, params.stop, tools))
+        reqs[req.id] = (i, req, OutputStream(model.tokenizer, params.stop, turn if is_chat(prompts[i]) else None))
     for ev in engine.stream():
         i, req, out = reqs[ev.request_id]
         for item in out.feed(ev):
@@ -67,17 +70,19 @@ def run(model: Model, prompts: list[Prompt], mode: str, sampling: str, options: 
 
 
 def _prepare(model: Model, prompts: list[Prompt], mode: str, sampling: str,
-             options: dict[str, Any]) -> tuple[list[list[int]], SamplingParams, ToolUse]:
-    """The prompts' ids, their SamplingParams (tools that may be called set the grammar) and the chat's tools,
-    all checked (`Model.check_request`)."""
-    chat = [options.pop(k, None) for k in ("tools", "tool_choice", "parallel_tool_calls")]
-    tools = ToolUse.of(*chat, options.get("grammar"), options.get("logprobs") is not None, model.tokenizer,
-                       "grammar")
-    if tools.mode != "none" and not all(is_chat(p) for p in prompts):
-        raise SamplingParamsError("tools need a prompt of chat messages", "tools")
-    grammar = {"grammar": tools.grammar()} if tools.mode != "none" else {}
-    params = model.params(mode, sampling, **(options | grammar))
-    ids = [model.encode_prompt(p, tools=tools) for p in prompts]
+             options: dict[str, Any]) -> tuple[list[list[int]], SamplingParams, ChatTurn]:
+    """The prompts' ids, their SamplingParams (tools that may be called set the grammar, thinking moves it after
+    the thought) and the chat's turn, all checked (`Model.check_request`)."""
+    chat = {k: options.pop(k, None) for k in CHAT_OPTIONS}
+    budget = options.pop("max_thinking_tokens", None)
+    turn = model.prompts.turn(chat["tools"], chat["tool_choice"], chat["parallel_tool_calls"], options.get("grammar"),
+                              options.get("logprobs") is not None, chat["chat_template_kwargs"], chat["think"])
+    asked = [k for k, v in chat.items() if v is not None] + ["max_thinking_tokens"] * (budget is not None)
+    if asked and not all(is_chat(p) for p in prompts):
+        raise SamplingParamsError(f"{asked[0]} needs a prompt of chat messages", asked[0])
+    options["grammar"] = turn.grammar(options.get("grammar"))
+    params = model.params(mode, sampling, **options, thought_budget=turn.budget(budget))
+    ids = [model.encode_prompt(p, tools=turn) for p in prompts]
     for x in ids:
         model.check_request(x, params, mode=mode, sampling=sampling)
-    return ids, params, tools
+    return ids, params, turn

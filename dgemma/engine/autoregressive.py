@@ -34,6 +34,9 @@ def next_token(req: Request, logits: torch.Tensor, pending: list[int] = ()) -> i
     if process is not None:  # the temperature is the processor's: after the penalties, before the truncations
         logits, t = process(logits, 1 / t if t else None), 1.0 if t else 0.0
     token = int(sample_next(logits, t, req.generator)[0])
+    budget = req.params.thought_budget
+    if budget is not None and (forced := budget.forced(req.output, pending)) is not None:
+        token = forced
     if req.grammar is not None and not req.grammar.extend([token]):
         req.grammar.give_up()
         token = req.grammar.locked[-1]

@@ -1,13 +1,16 @@
 """The one path from engine events to what users see, for the Python API, the CLI and the server: committed
 text deltas (never a split character, stop strings held back and honoured), drafts of the current canvas, the
-final flush with the finish reason and, in a chat with tools, the reply's tool calls; and the `Result` of it."""
+final flush with the finish reason and, in a chat with tools, the reply's tool calls; in a chat whose checkpoint has
+a thought channel, the thought apart from the answer (`reasoning`) wherever text leaves; and the `Result` of it."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from dgemma.chat.tools import ToolUse
+from dgemma.chat.thinking import Label, ThoughtSplit
+from dgemma.chat.turn import ChatTurn
 from dgemma.engine.request import Event, Stats
 from dgemma.sampling import stop_holdback, truncate_at_stop_strings
 from dgemma.tokenizer import IncrementalDecoder, Tokenizer
@@ -18,7 +21,8 @@ class StreamEvent:
     """draft: the current canvas (text and ids, each position's own text in `pieces`, the positions the step
     kept in `accepted`; `canvas` counts committed canvases, `step` the denoising steps of this one); text: newly
     committed text and ids; done: the request ended (`finish_reason`; its `result`, a Result, when it ended
-    normally); start (the server's only): the request entered the batch."""
+    normally); start (the server's only): the request entered the batch. In a chat with a thought channel,
+    `reasoning` is the thought's part (new thought text; a draft's thought), `text` the answer's."""
 
     kind: Literal["draft", "text", "done", "start"]
     text: str = ""
@@ -30,12 +34,15 @@ class StreamEvent:
     logprobs: list | None = None  # text: (id, logprob, [(id, logprob)] alternatives) per committed id, when asked
     pieces: list[str] = field(default_factory=list)
     accepted: list[bool] = field(default_factory=list)
+    reasoning: str = ""
 
 
 @dataclass
 class Result:
     """One finished request. With tools, a reply of calls has `tool_calls` (OpenAI's shape: id, type, function
-    {name, arguments as JSON text}), text None and finish reason "tool_calls", as the server reports them."""
+    {name, arguments as JSON text}), text None and finish reason "tool_calls", as the server reports them.
+    `reasoning`: the thought of a reply that opened the checkpoint's thought channel (None: no thought); `text` is
+    then the answer after it."""
 
     token_ids: list[int]
     text: str | None
@@ -44,6 +51,7 @@ class Result:
     prompt_tokens: int = 0
     logprobs: list | None = None  # with logprobs=k: (id, logprob, [(id, logprob)] * k) per token (sampling/logprobs.py)
     tool_calls: list[dict[str, Any]] | None = None
+    reasoning: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -54,14 +62,20 @@ class OutputStream:
     may still become a stop string is held back. When `stopped` turns True (a stop string was seen) the caller
     aborts the engine request; later events are ignored. Each event costs time linear in its own ids and text
     (the held-back text is at most the longest stop string), never in the whole output. With `tools` that may be
-    called, the text is held back to the end, where it becomes either the reply's calls or one text delta."""
+    called, the text is held back to the end, where it becomes either the reply's calls or one text delta. With a
+    thought channel (`turn.channel`), stop strings and tool calls apply to the answer only."""
 
-    def __init__(self, tokenizer: Tokenizer | None, stops: tuple[str, ...] = (), tools: ToolUse | None = None):
+    def __init__(self, tokenizer: Tokenizer | None, stops: tuple[str, ...] = (), turn: ChatTurn | None = None):
         self.tokenizer, self.stops = tokenizer, stops
+        tools = turn.tools if turn is not None else None
         self.tools = tools if tools is not None and tools.mode != "none" else None
         self.tool_calls: list[dict[str, Any]] | None = None
         self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
+        channel = turn.channel if turn is not None and tokenizer is not None else None
+        self.split = ThoughtSplit(channel) if channel is not None else None
+        self.thought = _Thought(tokenizer) if channel is not None else None
         self.ids: list[int] = []
+        self.answer: list[int] = []  # the ids after the thought (all of them without one)
         self._emitted: list[str] = []  # text given out, in pieces
         self.emitted_chars = 0
         self._held = ""  # decoded text not given out yet: it may still begin a stop string
@@ -76,17 +90,22 @@ class OutputStream:
         return None if self.decoder is None else "".join(self._emitted)
 
     def kept_ids(self) -> list[int]:
-        """The committed ids; after a stop string, the shortest prefix whose text covers what was emitted (a
-        binary search: O(n log n) decoding, once)."""
+        """The committed ids; after a stop string, those up to the shortest answer prefix whose text covers what was
+        emitted (a binary search: O(n log n) decoding, once)."""
         if not self.stopped:
             return self.ids
         if self._kept is None:
-            decode, lo, hi = self.tokenizer.decode, 0, len(self.ids)
+            decode, lo, hi = self.tokenizer.decode, 0, len(self.answer)
             while lo < hi:  # text length grows with the prefix (up to a few replacement characters)
                 mid = (lo + hi) // 2
-                lo, hi = (mid + 1, hi) if len(decode(self.ids[:mid])) < self.emitted_chars else (lo, mid)
-            self._kept = self.ids[:lo]
+                lo, hi = (mid + 1, hi) if len(decode(self.answer[:mid])) < self.emitted_chars else (lo, mid)
+            self._kept = self.ids[:len(self.ids) - len(self.answer) + lo]
         return self._kept
+
+    def kept_answer(self) -> list[int]:
+        """The answer's part of `kept_ids`."""
+        kept = self.kept_ids()
+        return kept[len(kept) - (len(self.answer) - (len(self.ids) - len(kept))):]
 
     def feed(self, event: Event) -> list[StreamEvent]:
         if self.finish_reason is not None:
@@ -94,16 +113,22 @@ class OutputStream:
         if event.kind == "draft":
             self.steps += 1
             tok, ids = self.tokenizer, event.token_ids
-            text, pieces = (tok.decode(ids), tok.pieces(ids)) if tok is not None else ("", [])
+            thought, answer = self.split.peek(ids) if self.split is not None else ([], ids)
+            text, pieces = (tok.decode(answer), tok.pieces(ids)) if tok is not None else ("", [])
+            reasoning = self.thought.draft(thought) if self.thought is not None else ""
             return [StreamEvent("draft", text, ids, canvas=self.canvases, step=self.steps, pieces=pieces,
-                                accepted=event.accepted)]
+                                accepted=event.accepted, reasoning=reasoning)]
         if event.kind == "commit":
             if event.ends_canvas:
                 self.canvases, self.steps = self.canvases + 1, 0
             self.ids.extend(event.token_ids)
             self.logprobs.extend(event.logprobs or [])
-            delta = self._push(event.token_ids)
-            out = [StreamEvent("text", "" if self.tools else delta, event.token_ids, logprobs=event.logprobs)]
+            thought, answer = self.split.push(event.token_ids) if self.split is not None else ([], event.token_ids)
+            reasoning = self.thought.push(thought) if self.thought is not None and not self.stopped else ""
+            self.answer.extend(answer)
+            delta = self._push(answer)
+            out = [StreamEvent("text", "" if self.tools else delta, event.token_ids, logprobs=event.logprobs,
+                               reasoning=reasoning)]
             return out + self._end("stop") if self.stopped else out
         reason = event.finish_reason
         if reason not in ("stop", "length"):
@@ -115,16 +140,19 @@ class OutputStream:
         ids = self.kept_ids()
         return Result(ids, None if self.tool_calls else self.text, self.finish_reason,
                       stats.to_dict(len(ids)) if stats is not None else {}, prompt_tokens,
-                      self.logprobs[:len(ids)] if logprobs else None, self.tool_calls)
+                      self.logprobs[:len(ids)] if logprobs else None, self.tool_calls,
+                      self.thought.text if self.split is not None and self.split.opened else None)
 
     def _end(self, reason: str) -> list[StreamEvent]:
         """A normal end: the text held back (a stop string may complete it), or with tools the reply's calls."""
+        thought_tail = self.thought.push([], final=True) if self.thought is not None else ""
         tail = self._push([], final=True)
         reason = "stop" if self.stopped else reason
         if self.tools is not None:
-            message, reason = self.tools.reply(self.text, self.kept_ids(), reason, self.tokenizer.decode)
+            message, reason = self.tools.reply(self.text, self.kept_answer(), reason, self.tokenizer.decode)
             self.tool_calls, tail = message.get("tool_calls"), message["content"] or ""
-        return ([StreamEvent("text", tail)] if tail else []) + [self._done(reason)]
+        out = [StreamEvent("text", tail, reasoning=thought_tail)] if tail or thought_tail else []
+        return out + [self._done(reason)]
 
     def _push(self, ids: list[int], final: bool = False) -> str:
         """Newly committed ids -> the text now safe to show. A stop string not seen yet starts in the held-back
@@ -145,3 +173,25 @@ class OutputStream:
     def _done(self, reason: str) -> StreamEvent:
         self.finish_reason = reason
         return StreamEvent("done", finish_reason=reason)
+
+
+class _Thought:
+    """A reply's thought as text: deltas of its ids, UTF-8 safe, without the channel's label."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.decoder, self.label = IncrementalDecoder(tokenizer), Label()
+        self.parts: list[str] = []
+
+    def push(self, ids: list[int], final: bool = False) -> str:
+        delta = self.label.strip(self.decoder.push(ids, final=final), final) if ids or final else ""
+        self.parts.append(delta)
+        return delta
+
+    def draft(self, ids: list[int]) -> str:
+        """A draft's thought text after what was committed (the label dropped if still ahead)."""
+        return copy.copy(self.label).strip(self.tokenizer.decode(ids), final=True) if ids else ""
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)

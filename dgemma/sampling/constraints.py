@@ -13,6 +13,7 @@ grammar, ended by EOS only where the grammar is complete.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import threading
@@ -36,11 +37,13 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separa
 @dataclass(frozen=True)
 class Grammar:
     """What a constrained request's output must match. `source`: the schema as JSON text, the regex, or the
-    Lark grammar (llguidance's dialect); `param` names the request field it came from, for errors."""
+    Lark grammar (llguidance's dialect); `param` names the request field it came from, for errors. `thought`: the
+    (open, close) ids of a thought channel the output may begin with, whose text is free (`after_thought`)."""
 
     kind: str
     source: str = ""
     param: str = "grammar"
+    thought: tuple[int, int] | None = None
 
     @classmethod
     def json_object(cls, param: str = "grammar") -> Grammar:
@@ -65,6 +68,10 @@ class Grammar:
     def lark(cls, text: str, param: str = "grammar") -> Grammar:
         return cls("lark", text, param)
 
+    def after_thought(self, open: int, close: int) -> Grammar:
+        """This grammar for the answer after an optional thought channel: open id, any text, close id."""
+        return dataclasses.replace(self, thought=(open, close))
+
     def check(self) -> None:
         """Raises SamplingParamsError (naming `param`) when the grammar does not compile."""
         if self.kind not in KINDS:
@@ -84,14 +91,14 @@ class Grammar:
 
 def compiled(g: Grammar) -> str:
     """llguidance's grammar text for `g`; raises SamplingParamsError with llguidance's reason."""
-    text, error = _compile(g.kind, g.source)
+    text, error = _compile(g.kind, g.source, g.thought)
     if error:
         raise g.invalid(error)
     return text
 
 
 @lru_cache(maxsize=256)
-def _compile(kind: str, source: str) -> tuple[str, str]:
+def _compile(kind: str, source: str, thought: tuple[int, int] | None) -> tuple[str, str]:
     try:
         if kind in ("json_object", "json_schema"):
             schema = {"type": "object"} if kind == "json_object" else json.loads(source)
@@ -102,7 +109,21 @@ def _compile(kind: str, source: str) -> tuple[str, str]:
             text = llguidance.LLMatcher.grammar_from_lark(source)
     except (ValueError, TypeError) as e:
         return "", _first_line(str(e))
+    text = text if thought is None else _after_thought(text, *thought)
     return text, _first_line(llguidance.LLMatcher.validate_grammar(text))
+
+
+def _after_thought(text: str, open: int, close: int) -> str:
+    """llguidance's grammar `text` (a top-level JSON grammar or Lark text) as the sub-grammar after an optional
+    thought: the channel's open token, any text (special tokens are not text: no close inside), its close token."""
+    try:
+        top = json.loads(text)
+    except json.JSONDecodeError:
+        top = {"grammars": [{"lark_grammar": text}]}
+    inner = top["grammars"]
+    inner[0] = inner[0] | {"name": "answer"}
+    outer = (f"start: thought? @answer\nthought: <[{open}]> THOUGHT? <[{close}]>\nTHOUGHT: /[\\s\\S]+/\n")
+    return json.dumps(top | {"grammars": [{"name": "after_thought", "lark_grammar": outer}, *inner]})
 
 
 def _first_line(message: str) -> str:

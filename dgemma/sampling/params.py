@@ -14,6 +14,7 @@ from dgemma.knobs import KNOBS
 from dgemma.options import OPTIONS, check_modes
 from dgemma.sampling.constraints import Grammar
 from dgemma.sampling.layout import Layout
+from dgemma.sampling.thinking import ThoughtBudget
 
 MAX_NEW_TOKENS = 1_000_000
 MAX_DENOISING_STEPS = 10_000
@@ -79,6 +80,7 @@ class SamplingParams:
     layout: Layout | None = None  # fixed tokens and holes (sampling/layout.py); sets max_new_tokens
     logprobs: int | None = None  # report log-probabilities with this many alternatives (sampling/logprobs.py)
     cache_salt: str | None = None  # prefix-cache partition: only prefixes cached under the same salt are reused
+    thought_budget: ThoughtBudget | None = None  # max_thinking_tokens: a thought closes within it (sampling/thinking.py)
 
     def __post_init__(self) -> None:
         # Normalise containers so the object stays hashable: a bare str / int means a 1-tuple.
@@ -123,6 +125,7 @@ class SamplingParams:
             _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
             if self.layout is not None:
                 _fail("logprobs with a suffix, template or edit are not supported", "logprobs")
+        self._check_thought_budget()
         self._check_speed()
         self._check_savings()
         for o in OPTIONS:
@@ -162,6 +165,16 @@ class SamplingParams:
         if self.grammar is not None or self.layout is not None:
             _fail("early_commit cannot be combined with a grammar or a suffix, template or edit", "early_commit")
 
+    def _check_thought_budget(self) -> None:
+        if self.thought_budget is None:
+            return
+        if not isinstance(self.thought_budget, ThoughtBudget):
+            _fail("thought_budget must be a dgemma.sampling.thinking.ThoughtBudget", "max_thinking_tokens")
+        self.thought_budget.check()
+        if self.layout is not None or self.early_commit_cache:
+            _fail("max_thinking_tokens cannot be combined with a suffix, template, edit or early_commit_cache",
+                  "max_thinking_tokens")
+
     def _check_savings(self) -> None:
         if self.soft_top_k is not None:
             _int_in("soft_top_k", self.soft_top_k, 1, MAX_SOFT_TOP_K)
@@ -192,7 +205,7 @@ class SamplingParams:
 
     def asked(self) -> list[str]:
         """The fields that are off unless set, set to something other than off."""
-        values = {n: getattr(self, n) for n in ("logprobs", *(o.name for o in OPTIONS))}
+        values = {n: getattr(self, n) for n in ("logprobs", "thought_budget", *(o.name for o in OPTIONS))}
         return [n for n, v in values.items() if v is not None and v is not False and v not in OFF.get(n, ())]
 
     def validate(self, vocab_size: int | None = None, max_context: int | None = None, prompt_len: int = 0,

@@ -18,7 +18,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from dgemma import __version__
 from dgemma.api import Model
-from dgemma.chat.tools import assistant_message
 from dgemma.sampling import SamplingParamsError
 from dgemma.server import errors, playground, security
 from dgemma.server.config import ServerConfig
@@ -33,6 +32,7 @@ from dgemma.server.responses import (
     ModelList,
     Shapes,
     knob_cards,
+    message,
 )
 from dgemma.server.service import Service
 
@@ -148,8 +148,8 @@ def _routes(api: APIRouter, service: Service) -> None:
     @api.post("/v1/chat/completions", response_model=None,
               responses=_responses(ChatCompletionResponse, 400, 401, 404, 408, 413, 429, 503, stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        try:  # tools / tool_choice checked first (the loaded tokenizer picks the syntax): a 400 before model work
-            body.tool_use(service.model.tokenizer if service.model is not None else None)
+        try:  # tools, tool_choice, template arguments checked first (the loaded tokenizer picks the syntax): a 400 before model work
+            body.turn(service.model.tokenizer if service.model is not None else None)
             messages = body.chat()
         except SamplingParamsError as e:
             raise errors.bad_request(str(e), e.param) from None
@@ -227,7 +227,8 @@ async def _answer(gen: Generation, body: Any, request: Request, chat: bool) -> R
     shapes, choices = Shapes(chat, gen.id, gen.created, gen.service.config.model_name), []
     for i, r in enumerate(results):
         logprobs = None if r.logprobs is None else body.format_logprobs(r.logprobs, gen.service.model.token_bytes, 0)
-        choices.append(shapes.answer(i, r.text, logprobs, r.finish_reason, assistant_message(r.text, r.tool_calls)))
+        reasoning = r.reasoning if getattr(body, "include_reasoning", False) else None
+        choices.append(shapes.answer(i, r.text, logprobs, r.finish_reason, message(r.text, r.tool_calls, reasoning)))
     return JSONResponse(shapes.response(choices, gen.usage()), headers=ignored)
 
 
@@ -264,18 +265,20 @@ async def _events(gen: Generation, chunks: Shapes, events: AsyncIterator[Any], b
         for i in range(gen.n):
             yield _data(chunks.choice(i, role=True))
     shown = [0] * gen.n  # characters sent per choice (completions' text_offset)
+    keep_thought = getattr(body, "include_reasoning", False)
     async for index, ev in events:
-        if ev.kind == "start" or (ev.kind == "text" and not (ev.text or ev.logprobs)):
+        reasoning = ev.reasoning if keep_thought else ""
+        if ev.kind == "start" or (ev.kind == "text" and not (ev.text or ev.logprobs or reasoning)):
             continue
         if ev.kind == "text" and ev.logprobs is not None:
             logprobs = body.format_logprobs(ev.logprobs, gen.service.model.token_bytes, shown[index])
             shown[index] += len(ev.text)
-            yield _data(chunks.choice(index, ev.text, logprobs=logprobs))
+            yield _data(chunks.choice(index, ev.text, logprobs=logprobs, reasoning=reasoning))
         elif ev.kind == "text":
-            yield _data(chunks.choice(index, ev.text))
+            yield _data(chunks.choice(index, ev.text, reasoning=reasoning))
         elif ev.kind == "draft":
             draft = {"canvas": ev.canvas, "step": ev.step, "text": ev.text, "token_ids": ev.token_ids,
-                     "tokens": ev.pieces, "accepted": ev.accepted}
+                     "tokens": ev.pieces, "accepted": ev.accepted} | ({"reasoning": reasoning} if reasoning else {})
             yield _data(chunks.choice(index, dgemma_draft=draft))
         elif ev.result is not None:
             for i, call in enumerate(ev.result.tool_calls or ()):

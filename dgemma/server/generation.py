@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dgemma.chat.tools import ToolUse
+from dgemma.chat.turn import ChatTurn
 from dgemma.engine import Event, OutputStream, Result, StreamEvent
 from dgemma.server.errors import ApiError
 from dgemma.server.planning import Plan
@@ -40,7 +40,7 @@ class Generation:
     (dgemma_timeout within --request-timeout; None: none)."""
 
     def __init__(self, service: Service, id: str, plans: list[Plan], prompt_tokens: int, drafts: bool,
-                 lease: Lease, t_arrival: float, timeout: float | None = None, tools: ToolUse | None = None,
+                 lease: Lease, t_arrival: float, timeout: float | None = None, turn: ChatTurn | None = None,
                  key: int | None = None):
         self.service, self.id, self.lease = service, id, lease
         self.key = key  # the API key's position: its own /metrics series
@@ -58,7 +58,7 @@ class Generation:
         jobs = []
         for i, plan in enumerate(plans):
             rid = f"{id}-{i}"
-            output = OutputStream(service.model.tokenizer, plan.params.stop, tools)
+            output = OutputStream(service.model.tokenizer, plan.params.stop, turn)
             self.choices[rid] = _Choice(i, rid, output, plan.params.logprobs is not None)
             jobs.append(Submission(rid, plan.ids, plan.params, drafts, sink, self.t_arrival, *deadlines,
                             first_sent=self.choices[rid].first_sent))

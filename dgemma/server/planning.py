@@ -57,7 +57,7 @@ def prepare(model: Model, config: ServerConfig, body: OpenAIRequest, prompt: Any
             partition: str | None) -> tuple[list[int], list[SamplingParams]]:
     """A prompt's ids and its choices' SamplingParams (in a worker thread: it tokenizes, compiles a grammar and
     builds a layout)."""
-    ids = model.encode_prompt(prompt, limit, body.tool_use(), partition)
+    ids = model.encode_prompt(prompt, limit, body.turn(), partition)
     return ids, choice_params(model, config, body, ids, partition)
 
 
@@ -74,7 +74,7 @@ def choice_params(model: Model, config: ServerConfig, body: OpenAIRequest, ids: 
         {"ar_temperature": body.temperature} if body.temperature is not None else {}
     first = model.params(config.mode, max_new_tokens=new, seed=base, stop=body.stop, grammar=body.grammar(),
                          logprobs=body.logprob_count(), **sampling, **overrides(body), **body.knobs(),
-                         cache_salt=partition, layout_limit=min(room, config.max_tokens or room),
+                         cache_salt=partition, thought_budget=body.thought_budget(), layout_limit=min(room, config.max_tokens or room),
                          **body.layout_options())
     model.check_request(ids, first, config.limits, config.mode)
     if base is None:

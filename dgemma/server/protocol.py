@@ -12,9 +12,11 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr,
 from pydantic_core import PydanticCustomError
 
 from dgemma.chat import tools as tool_calls
+from dgemma.chat.turn import ChatTurn
 from dgemma.options import OPTIONS
 from dgemma.sampling import Grammar, SamplingParamsError
 from dgemma.sampling.params import MAX_LOGPROBS
+from dgemma.sampling.thinking import ThoughtBudget
 from dgemma.server.formats import LAYOUT_FIELDS, as_layout_options, response_grammar
 from dgemma.server.responses import chat_logprobs, completion_logprobs
 
@@ -140,8 +142,12 @@ class OpenAIRequest(_Knobs):
         """Alternatives per token for `SamplingParams.logprobs`; None: no logprobs."""
         return None
 
-    def tool_use(self, tokenizer: Any = None) -> tool_calls.ToolUse | None:
-        """A chat's tools (chat/tools.py); None: not a chat."""
+    def turn(self, tokenizer: Any = None) -> ChatTurn | None:
+        """A chat's turn: its tools, template arguments and thought channel (chat/turn.py); None: not a chat."""
+        return None
+
+    def thought_budget(self) -> ThoughtBudget | None:
+        """`max_thinking_tokens` as the engine follows it (chat with thinking only)."""
         return None
 
     def format_logprobs(self, entries: list, token_bytes: Any, offset: int) -> dict[str, Any]:
@@ -224,6 +230,9 @@ class ChatMessage(_Strict):
     content: Content | None = Field(None, validate_default=True, description="null only with tool_calls")
     name: Text | None = None
     tool_call_id: Text | None = Field(None, validate_default=True, description="a tool message: the call it answers")
+    reasoning_content: Text | None = Field(None, description="an assistant message's thought (the template decides "
+                                           "whether to show it again)")
+    reasoning: Text | None = Field(None, description="the newer name of reasoning_content")
 
     @field_validator("content", "tool_call_id")
     @classmethod
@@ -239,6 +248,9 @@ class ChatMessage(_Strict):
                 isinstance(p, ImageUrlPart) for p in value):
             raise PydanticCustomError("image_role", "image_url parts go in user messages")
         return value
+
+    def thought(self) -> str | None:
+        return self.reasoning_content or self.reasoning
 
     def text(self) -> str:
         if self.content is None:
@@ -262,6 +274,11 @@ class ChatCompletionRequest(OpenAIRequest):
     tool_choice: Text | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = Field(None, description="several calls in one reply (default true)")
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='the chat template\'s own arguments (vLLM\'s field), e.g. {"enable_thinking": true}')
+    max_thinking_tokens: int | None = Field(None, description="thinking on: the thought closes within this many "
+                                            "tokens and the answer follows in the same canvas")
+    include_reasoning: bool = Field(True, description="return the thought as reasoning_content (false: drop it)")
     # defined by OpenAI, not done here: refused when they ask for something
     functions: list[dict[str, Any]] | None = None
     function_call: Text | dict[str, Any] | None = None
@@ -271,7 +288,7 @@ class ChatCompletionRequest(OpenAIRequest):
     reasoning_effort: Text | None = None
     web_search_options: dict[str, Any] | None = None
 
-    _tool_use: tool_calls.ToolUse | None = PrivateAttr(None)
+    _turn: ChatTurn | None = PrivateAttr(None)
 
     def unsupported(self) -> tuple[str, str] | None:
         return self._unsupported_extras() or super().unsupported()
@@ -280,13 +297,18 @@ class ChatCompletionRequest(OpenAIRequest):
         tokens = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
         return {"max_new_tokens": tokens} | ({"logprobs": "top_logprobs"} if self.top_logprobs is not None else {})
 
-    def tool_use(self, tokenizer: Any = None) -> tool_calls.ToolUse:
-        """The request's tool calls, checked on the first call (SamplingParamsError naming the field);
-        `tokenizer` picks the checkpoint's own call syntax when its template has one."""
-        if self._tool_use is None:
-            self._tool_use = tool_calls.ToolUse.of(self.tools or [], self.tool_choice, self.parallel_tool_calls,
-                                                   self.response_format, self.logprobs, tokenizer)
-        return self._tool_use
+    def turn(self, tokenizer: Any = None) -> ChatTurn:
+        """The request's tool calls and template arguments, checked on the first call (SamplingParamsError naming
+        the field); `tokenizer` picks the checkpoint's own call syntax and thought channel."""
+        if self._turn is None:
+            tools = tool_calls.ToolUse.of(self.tools or [], self.tool_choice, self.parallel_tool_calls,
+                                          self.response_format, self.logprobs, tokenizer)
+            self._turn = ChatTurn.of(tools, self.chat_template_kwargs, tokenizer)
+            self._turn.budget(self.max_thinking_tokens)  # refused without thinking: a 400 before model work
+        return self._turn
+
+    def thought_budget(self) -> ThoughtBudget | None:
+        return self.turn().budget(self.max_thinking_tokens)
 
     def logprob_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -297,9 +319,9 @@ class ChatCompletionRequest(OpenAIRequest):
         return chat_logprobs(entries, token_bytes)
 
     def grammar(self) -> Grammar | None:
-        """The tools' grammar when they may be called, else response_format's (formats.response_grammar)."""
-        tools = self.tool_use().grammar()
-        return tools if tools is not None else response_grammar(self.response_format)
+        """The tools' grammar when they may be called, else response_format's (formats.response_grammar); after
+        the thought when thinking."""
+        return self.turn().grammar(response_grammar(self.response_format))
 
     def _unsupported_extras(self) -> tuple[str, str] | None:
         asks = {
@@ -311,6 +333,7 @@ class ChatCompletionRequest(OpenAIRequest):
         return next(((name, name.replace("_", " ")) for name, asked in asks.items() if asked), None)
 
     def chat(self) -> list[dict[str, Any]]:
-        """The messages as `Model.encode_prompt` takes them (rendered there by `tool_use()`)."""
+        """The messages as `Model.encode_prompt` takes them (rendered there by `turn()`)."""
         return [{"role": m.role, "content": m.template_content(), "tool_calls": [c.model_dump() for c in
-                 m.tool_calls or ()] or None, "tool_call_id": m.tool_call_id} for m in self.messages]
+                 m.tool_calls or ()] or None, "tool_call_id": m.tool_call_id}
+                | ({"reasoning_content": m.thought()} if m.thought() else {}) for m in self.messages]

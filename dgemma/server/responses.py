@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from dgemma.chat.tools import assistant_message
 from dgemma.options import OPTIONS
 
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -38,6 +39,8 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
     tool_calls: list[dict[str, Any]] | None = None
+    reasoning_content: str | None = Field(None, description="the thought, with thinking on (vLLM's field)")
+    reasoning: str | None = Field(None, description="the same, under vLLM's newer name")
 
 
 class ChatChoice(BaseModel):
@@ -131,11 +134,16 @@ class Shapes:
 
     def choice(self, index: int, text: str | None = None, finish_reason: str | None = None, role: bool = False,
                call: tuple[int, dict[str, Any]] | None = None, logprobs: dict[str, Any] | None = None,
-               **extra: Any) -> dict[str, Any]:
-        """A chunk of one choice. `call`: (its index in the reply, an OpenAI tool call), sent whole as one delta."""
+               reasoning: str | None = None, **extra: Any) -> dict[str, Any]:
+        """A chunk of one choice. `call`: (its index in the reply, an OpenAI tool call), sent whole as one delta;
+        `reasoning`: new thought text (chat)."""
         delta = None
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            if role:
+                delta = {"role": "assistant", "content": ""}
+            else:
+                delta = {"content": text} if text or (text is not None and not reasoning) else {}
+            delta |= thought(reasoning)
             if call is not None:
                 delta = {"tool_calls": [{"index": call[0]} | call[1]]}
         return self._chunk([self.answer(index, text or "", logprobs, finish_reason, delta=delta) | extra])
@@ -151,6 +159,18 @@ class Shapes:
         if self.include_usage:
             chunk["usage"] = None
         return chunk
+
+
+def message(text: str | None, calls: list[dict[str, Any]] | None, reasoning: str | None) -> dict[str, Any]:
+    """A whole reply's assistant message: its calls or its text, and its thought (the content is null when a
+    thought has no answer after it, as vLLM's reasoning parsers give it)."""
+    body = assistant_message(text if text or reasoning is None else None, calls)
+    return body | thought(reasoning)
+
+
+def thought(reasoning: str | None) -> dict[str, str]:
+    """The thought's fields, under both of vLLM's names (`reasoning_content`, and the newer `reasoning`)."""
+    return {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
 
 
 # ---- logprobs ----------------------------------------------------------------------------------------------

@@ -122,7 +122,7 @@ class Service:
         try:
             plans, prompt_tokens = await self._within(timeout, t_arrival, self._plan(body, prompts, param, key))
             return Generation(self, f"{id_prefix}-{uuid.uuid4().hex}", plans, prompt_tokens, body.dgemma_drafts,
-                              lease, t_arrival, timeout, body.tool_use(), key)
+                              lease, t_arrival, timeout, body.turn(), key)
         except BaseException:
             lease.release()
             raise

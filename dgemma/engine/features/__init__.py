@@ -13,8 +13,10 @@ from dgemma.engine.features.layout import LayoutFeature
 from dgemma.engine.features.logprobs import Logprobs
 from dgemma.engine.features.skip_settled import SkipSettled
 from dgemma.engine.features.target_canvas_ms import TargetCanvasMs
+from dgemma.engine.features.thought_budget import ThoughtBudgetFeature
 
-FEATURES: tuple[Feature, ...] = bind((TargetCanvasMs(), EarlyStop(), LayoutFeature(), GrammarFeature(), EarlyCommit(),
+FEATURES: tuple[Feature, ...] = bind((TargetCanvasMs(), EarlyStop(), LayoutFeature(), ThoughtBudgetFeature(),
+                                       GrammarFeature(), EarlyCommit(),
                                        EarlyFirstToken(), Logprobs(), Drafts(), SkipSettled(), EarlyCommitCache()))
 COUNTERS: tuple[Counter, ...] = counters(FEATURES)
 
