@@ -46,7 +46,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.image:  # one user turn: the images, then the text
         prompt = [{"role": "user", "content": [*({"type": "image", "image": f} for f in args.image),
                                                {"type": "text", "text": prompt}]}]
-    elif args.chat and isinstance(prompt, str):
+    elif (args.chat or args.think) and isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
     limits = limits_from_args(args)
     model = load_model_from_args(args)
@@ -108,8 +108,11 @@ def _lines(prompt: str) -> Iterator[str]:
 
 def _decoding(args: argparse.Namespace) -> dict:
     """The decoding options `_add_decoding_options` adds, as `Model.generate` / `stream` take them."""
-    return _fields(args) | {"stop": tuple(args.stop) or None, "seed": args.seed, "mode": args.mode,
-                            "sampling": args.sampling}
+    thinking = {"think": True} if args.think else {}
+    if args.max_thinking_tokens is not None:
+        thinking["max_thinking_tokens"] = args.max_thinking_tokens
+    return _fields(args) | thinking | {"stop": tuple(args.stop) or None, "seed": args.seed, "mode": args.mode,
+                                       "sampling": args.sampling}
 
 
 def _fields(args: argparse.Namespace) -> dict:
@@ -213,6 +216,11 @@ def _add_decoding_options(p: argparse.ArgumentParser,
     add_mode_option(p)
     p.add_argument("--ar-temperature", type=float,
                    help="autoregressive and speculative modes: sampling temperature (0 = greedy)")
+    p.add_argument("--think", action="store_true",
+                   help="thinking mode (chat; the template's enable_thinking): the thought is shown apart, before "
+                        "the answer")
+    p.add_argument("--max-thinking-tokens", type=int, metavar="N",
+                   help="with --think: the thought closes within N tokens and the answer follows")
 
 
 def _add_request_options(p: argparse.ArgumentParser) -> None:

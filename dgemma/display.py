@@ -16,17 +16,20 @@ def print_stream(events: Iterable[StreamEvent], visual: bool = False, show_ids: 
     out, err = sys.stdout, sys.stderr
     live = visual and out.isatty()
     drawn, committed, result = 0, "", None
+    thought = _Thought(out, not visual)
     for ev in events:
         shown = " ".join(map(str, ev.token_ids)) + " " if show_ids else ev.text
         if ev.kind == "draft" and live:
             drawn = _redraw(out, committed + shown, drawn)
         elif ev.kind == "text":
+            thought.show(ev.reasoning, shown)
             committed += shown
             if not visual:
                 out.write(shown)
                 out.flush()
         elif ev.kind == "done":
             result = ev.result
+            thought.show("", "", end=True)
     if visual:
         if live:
             _redraw(out, "", drawn)
@@ -39,6 +42,27 @@ def print_stream(events: Iterable[StreamEvent], visual: bool = False, show_ids: 
                   f"steps per canvas {s['steps_per_canvas']}, {s['tokens_per_forward']:.2f} tokens/forward"
                   f"{cached}, finish: {result.finish_reason}]\n")
     return result
+
+
+class _Thought:
+    """A reply's thought as Ollama's CLI shows it: "Thinking...", the thought, "...done thinking.", then the answer."""
+
+    def __init__(self, out, stream: bool):
+        self.out, self.stream, self.state = out, stream, "before"
+
+    def show(self, reasoning: str, answer: str, end: bool = False) -> None:
+        if reasoning and self.state == "before":
+            self.state = "thinking"
+            self._write("Thinking...\n")
+        self._write(reasoning)
+        if self.state == "thinking" and (answer or end):
+            self.state = "done"
+            self._write("\n...done thinking.\n\n")
+
+    def _write(self, text: str) -> None:
+        if text and self.stream:
+            self.out.write(text)
+            self.out.flush()
 
 
 def _redraw(out, text: str, drawn: int) -> int:

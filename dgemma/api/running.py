@@ -80,7 +80,7 @@ def _prepare(model: Model, prompts: list[Prompt], mode: str, sampling: str,
     asked = [k for k, v in chat.items() if v is not None] + ["max_thinking_tokens"] * (budget is not None)
     if asked and not all(is_chat(p) for p in prompts):
         raise SamplingParamsError(f"{asked[0]} needs a prompt of chat messages", asked[0])
-    options["grammar"] = turn.grammar(options.get("grammar"))
+    options["grammar"] = turn.grammar(options.get("grammar"), budget)
     params = model.params(mode, sampling, **options, thought_budget=turn.budget(budget))
     ids = [model.encode_prompt(p, tools=turn) for p in prompts]
     for x in ids:

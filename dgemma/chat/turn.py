@@ -41,10 +41,13 @@ class ChatTurn:
         """The template was asked to think and the checkpoint has a thought channel."""
         return self.channel is not None and bool(self.template_kwargs.get(THINKING))
 
-    def grammar(self, answer: Grammar | None) -> Grammar | None:
-        """What the reply must match: the tool calls' grammar, else `answer`; after the thought when thinking."""
+    def grammar(self, answer: Grammar | None, max_thinking_tokens: int | None = None) -> Grammar | None:
+        """What the reply must match: the tool calls' grammar, else `answer`; after the thought (of at most
+        `max_thinking_tokens` tokens) when thinking."""
         g = self.tools.grammar() if self.tools.mode != "none" else answer
-        return g.after_thought(self.channel.open, self.channel.close) if g is not None and self.thinking else g
+        if g is None or not self.thinking:
+            return g
+        return g.after_thought(self.channel.open, self.channel.close, max_thinking_tokens)
 
     def budget(self, max_thinking_tokens: int | None) -> ThoughtBudget | None:
         if max_thinking_tokens is None:

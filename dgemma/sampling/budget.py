@@ -32,14 +32,16 @@ class Completions:
         self.excluded = np.array(sorted(excluded), dtype=np.int64)
         self.ranked, self.enders = _ranked(tokenizer, vocab_size, excluded)
 
-    def shortest(self, matcher: llguidance.LLMatcher, limit: int, plan: bool = True) -> list[int] | None:
+    def shortest(self, matcher: llguidance.LLMatcher, limit: int, plan: bool = True,
+                 exit: int | None = None) -> list[int] | None:
         """A valid completion (token ids, the EOS not included) from `matcher`'s state, at most `limit` tokens;
-        None when none is found. `matcher` is not changed. `plan`: structural choices are made by rollouts."""
+        None when none is found. `matcher` is not changed. `plan`: structural choices are made by rollouts.
+        `exit`: a token taken whenever allowed (a thought channel's close: the way out of free text)."""
         m, path = matcher.deep_copy(), []
         limit = min(limit, MAX_SEARCH)
         while not m.is_accepting():
             forced = m.compute_ff_tokens()
-            step = forced if forced else [self._best(m, plan)]
+            step = forced if forced else [self._best(m, plan, exit)]
             if step[0] is None or len(path) + len(step) > limit:
                 return None
             if m.try_consume_tokens(step) != len(step):
@@ -52,10 +54,13 @@ class Completions:
         m = matcher.deep_copy()
         return m.try_consume_tokens(tokens) == len(tokens) and m.is_accepting()
 
-    def _best(self, m: llguidance.LLMatcher, plan: bool) -> int | None:
-        """The next token: the best-scored candidate; at a structural choice (few tokens allowed: a key, the
-        kind of a value, whether an object goes on) with `plan`, the one whose greedy completion is shortest."""
+    def _best(self, m: llguidance.LLMatcher, plan: bool, exit: int | None = None) -> int | None:
+        """The next token: `exit` when allowed, else the best-scored candidate; at a structural choice (few tokens
+        allowed: a key, the kind of a value, whether an object goes on) with `plan`, the one whose greedy completion
+        is shortest."""
         words = _words(m)
+        if exit is not None and _bits(words, np.array([exit]))[0]:
+            return exit
         picks = self.ranked[_bits(words, self.ranked)][:CANDIDATES].tolist()
         if not picks:
             return self._first_allowed(words)

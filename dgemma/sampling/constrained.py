@@ -14,10 +14,12 @@ from torch import Tensor
 
 from dgemma.model.head import Head
 from dgemma.sampling.constraints import RowGrammar
+from dgemma.sampling.processing import Processor
 from dgemma.sampling.samplers import StepOutput, random_tokens
 
 Rows = list[RowGrammar | None]
 Failed = Callable[[int, BaseException], None] | None  # told of a row whose own work raised
+Knobs = Callable[[list[int]], Processor | None]  # a row's sampling knobs after its locked ids (None: it has none)
 
 
 def masked_token(logits: Tensor, allowed: Tensor, inv_temp: float | None, generator: torch.Generator | None) -> int:
@@ -37,10 +39,12 @@ def start_canvas(grammars: Rows, budgets: list[int], canvas_length: int) -> None
 
 
 def constrain_step(grammars: Rows, out: StepOutput, hidden: Tensor, head: Head, inv_temp: Tensor,
-                   generators: list[torch.Generator], done: list[bool], fail: Failed = None) -> StepOutput:
+                   generators: list[torch.Generator], done: list[bool], fail: Failed = None,
+                   knobs: list[Knobs] | None = None) -> StepOutput:
     """Apply the rule to one step's output (in place) for the live constrained rows: the frontier from masked
-    logits, then the run of accepted samples the grammar allows; the rest renoised. hidden [B, C, H]. A row whose
-    grammar raises is handed to `fail` (else the error propagates) and left out; the others go on."""
+    logits (processed by the row's sampling `knobs`), then the run of accepted samples the grammar allows; the rest
+    renoised. hidden [B, C, H]. A row whose grammar raises is handed to `fail` (else the error propagates) and left
+    out; the others go on."""
     rows = [i for i, g in enumerate(grammars) if g is not None and not done[i] and not g.complete]
     if not rows:
         return out
@@ -49,7 +53,8 @@ def constrain_step(grammars: Rows, out: StepOutput, hidden: Tensor, head: Head, 
     failed = set()
     for j, i in enumerate(rows):
         with _own(i, fail, failed):
-            _constrain_row(grammars[i], samples[j], accepted[j], hidden[i], head, temps[j], generators[i])
+            _constrain_row(grammars[i], samples[j], accepted[j], hidden[i], head, temps[j], generators[i],
+                           knobs[i] if knobs is not None else None)
     rows = [i for i in rows if i not in failed]
     if not rows:
         return out
@@ -64,11 +69,15 @@ def constrain_step(grammars: Rows, out: StepOutput, hidden: Tensor, head: Head, 
 
 
 def _constrain_row(g: RowGrammar, samples: list[int], accepted: list[bool], hidden: Tensor, head: Head,
-                   inv_temp: float, generator: torch.Generator) -> None:
+                   inv_temp: float, generator: torch.Generator, knobs: Knobs | None) -> None:
     """One row's frontier and accepted run (hidden [C, H])."""
     p = len(g.locked)
     if not (accepted[p] and g.extend([samples[p]])):
-        draw = masked_token(head.logits(hidden[p:p + 1])[0], g.allowed(), inv_temp, generator)
+        logits = head.logits(hidden[p:p + 1])
+        process = knobs(g.locked) if knobs is not None else None
+        if process is not None:  # the temperature is the processor's, as in the fused step
+            logits, inv_temp = process(logits, inv_temp), 1.0
+        draw = masked_token(logits[0], g.allowed(), inv_temp, generator)
         if not g.extend([draw]):
             g.give_up()  # the budget refused the draw: the token it reserves
     run = next((k for k, a in enumerate(accepted[p + 1:]) if not a), len(accepted) - p - 1)

@@ -38,12 +38,13 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separa
 class Grammar:
     """What a constrained request's output must match. `source`: the schema as JSON text, the regex, or the
     Lark grammar (llguidance's dialect); `param` names the request field it came from, for errors. `thought`: the
-    (open, close) ids of a thought channel the output may begin with, whose text is free (`after_thought`)."""
+    (open, close) ids of a thought channel the output may begin with, whose text is free, and the most tokens it may
+    hold (None: any) (`after_thought`)."""
 
     kind: str
     source: str = ""
     param: str = "grammar"
-    thought: tuple[int, int] | None = None
+    thought: tuple[int, int, int | None] | None = None
 
     @classmethod
     def json_object(cls, param: str = "grammar") -> Grammar:
@@ -68,9 +69,10 @@ class Grammar:
     def lark(cls, text: str, param: str = "grammar") -> Grammar:
         return cls("lark", text, param)
 
-    def after_thought(self, open: int, close: int) -> Grammar:
-        """This grammar for the answer after an optional thought channel: open id, any text, close id."""
-        return dataclasses.replace(self, thought=(open, close))
+    def after_thought(self, open: int, close: int, max_tokens: int | None = None) -> Grammar:
+        """This grammar for the answer after an optional thought channel: open id, any text (at most `max_tokens`
+        tokens of it), close id."""
+        return dataclasses.replace(self, thought=(open, close, max_tokens))
 
     def check(self) -> None:
         """Raises SamplingParamsError (naming `param`) when the grammar does not compile."""
@@ -98,7 +100,7 @@ def compiled(g: Grammar) -> str:
 
 
 @lru_cache(maxsize=256)
-def _compile(kind: str, source: str, thought: tuple[int, int] | None) -> tuple[str, str]:
+def _compile(kind: str, source: str, thought: tuple[int, int, int | None] | None) -> tuple[str, str]:
     try:
         if kind in ("json_object", "json_schema"):
             schema = {"type": "object"} if kind == "json_object" else json.loads(source)
@@ -113,16 +115,20 @@ def _compile(kind: str, source: str, thought: tuple[int, int] | None) -> tuple[s
     return text, _first_line(llguidance.LLMatcher.validate_grammar(text))
 
 
-def _after_thought(text: str, open: int, close: int) -> str:
+def _after_thought(text: str, open: int, close: int, max_tokens: int | None) -> str:
     """llguidance's grammar `text` (a top-level JSON grammar or Lark text) as the sub-grammar after an optional
-    thought: the channel's open token, any text (special tokens are not text: no close inside), its close token."""
+    thought: the channel's open token, any text (special tokens are not text: no close inside) of at most
+    `max_tokens` tokens, its close token."""
     try:
         top = json.loads(text)
     except json.JSONDecodeError:
         top = {"grammars": [{"lark_grammar": text}]}
     inner = top["grammars"]
     inner[0] = inner[0] | {"name": "answer"}
-    outer = (f"start: thought? @answer\nthought: <[{open}]> THOUGHT? <[{close}]>\nTHOUGHT: /[\\s\\S]+/\n")
+    body = "" if max_tokens == 0 else "body "
+    limit = "" if max_tokens is None else f"[max_tokens={max_tokens}]"
+    outer = (f"start: thought? @answer\nthought: <[{open}]> {body}<[{close}]>\nbody{limit}: THOUGHT?\n"
+             "THOUGHT: /[\\s\\S]+/\n")
     return json.dumps(top | {"grammars": [{"name": "after_thought", "lark_grammar": outer}, *inner]})
 
 
@@ -148,7 +154,7 @@ class GrammarVocab:
         m = llguidance.LLMatcher(self.tokenizer, compiled(g), log_level=0)
         if m.is_error():
             raise g.invalid(_first_line(m.get_error()))
-        row = RowGrammar(m, self, eos)
+        row = RowGrammar(m, self, eos, g.thought[1] if g.thought is not None else None)
         if not row.allowed().any():
             raise SamplingParamsError(f"{g.describe()} cannot match any text", g.param)
         return row
@@ -175,8 +181,10 @@ class RowGrammar:
     whose smallest answer fits its budget always ends complete. None: no completion fits (or none was found):
     the rule is off and the answer may be cut ("length")."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab: GrammarVocab, eos: tuple[int, ...]):
+    def __init__(self, matcher: llguidance.LLMatcher, vocab: GrammarVocab, eos: tuple[int, ...],
+                 exit: int | None = None):
         self.matcher, self.vocab, self.eos = matcher, vocab, tuple(eos)
+        self.exit = exit  # the thought channel's close, which completions take first (Completions.shortest)
         self.stops = set(self.eos) | set(vocab.own_eos)
         self.locked: list[int] = []
         self.limit = 0
@@ -192,7 +200,7 @@ class RowGrammar:
         self.locked, self.limit, self.written = [], limit, False
         self.budget = limit if budget is None else budget
         if first:
-            self.witness = self.vocab.completions.shortest(self.matcher, self.budget - 1)
+            self.witness = self.vocab.completions.shortest(self.matcher, self.budget - 1, exit=self.exit)
 
     def give_up(self) -> None:
         """Lock the token the budget reserves: the witness's next one, or an EOS where the grammar is complete.
@@ -237,8 +245,8 @@ class RowGrammar:
         if len(w) <= room and completions.still_completes(self.matcher, w):
             return True
         # any completion that fits keeps the promise: the plain greedy one first, the planned search when it does not
-        found = (completions.shortest(self.matcher, room, plan=False) or completions.shortest(self.matcher, room)
-                 if room >= 0 else None)
+        found = (completions.shortest(self.matcher, room, plan=False, exit=self.exit) or
+                 completions.shortest(self.matcher, room, exit=self.exit) if room >= 0 else None)
         if found is None:
             self.matcher.rollback(1)
             return False

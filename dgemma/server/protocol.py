@@ -321,7 +321,7 @@ class ChatCompletionRequest(OpenAIRequest):
     def grammar(self) -> Grammar | None:
         """The tools' grammar when they may be called, else response_format's (formats.response_grammar); after
         the thought when thinking."""
-        return self.turn().grammar(response_grammar(self.response_format))
+        return self.turn().grammar(response_grammar(self.response_format), self.max_thinking_tokens)
 
     def _unsupported_extras(self) -> tuple[str, str] | None:
         asks = {

@@ -163,8 +163,8 @@ class Shapes:
 
 def message(text: str | None, calls: list[dict[str, Any]] | None, reasoning: str | None) -> dict[str, Any]:
     """A whole reply's assistant message: its calls or its text, and its thought (the content is null when a
-    thought has no answer after it, as vLLM's reasoning parsers give it)."""
-    body = assistant_message(text if text or reasoning is None else None, calls)
+    thought has no answer after it, as vLLM's reasoning parsers give it; an empty thought is no thought)."""
+    body = assistant_message(text if text or not reasoning else None, calls)
     return body | thought(reasoning)
 
 

@@ -9,6 +9,7 @@ from torch import Tensor
 from dgemma.engine.features.base import Feature, Step
 from dgemma.engine.request import Event, Request
 from dgemma.sampling.constrained import complete_rows, constrain_step, start_canvas
+from dgemma.sampling.processing import Processor
 
 
 class GrammarFeature(Feature):
@@ -29,12 +30,17 @@ class GrammarFeature(Feature):
         grammars = self._live(s)
         if any(grammars):
             s.out = constrain_step(grammars, s.out, s.hidden, s.head, s.inv_temp, [r.generator for r in s.rows],
-                                   s.canvas.done, s.fail)
+                                   s.canvas.done, s.fail, [self._knobs(r, s.head.vocab_size) for r in s.rows])
 
     def after_step(self, s: Step) -> None:
         grammars = self._live(s)
         if any(grammars):
             s.canvas.mark_done(complete_rows(grammars, s.canvas.argmax, s.hidden, s.head, s.done_now(), s.fail))
+
+    @staticmethod
+    def _knobs(req: Request, vocab: int):
+        """The row's sampling knobs over its prompt, output and the canvas's locked ids (the frontier's draw)."""
+        return lambda locked: Processor.of(req.params, req.prompt, req.output, vocab, locked)
 
     def _live(self, s: Step) -> list:
         return [None if r.finished else self.of(r) for r in s.rows]

@@ -9,6 +9,19 @@ from dgemma.engine.features.base import Feature, Step
 from dgemma.engine.request import Request
 
 
+def _settled(s: Step, i: int):
+    """settled(positions, id): row i holds `id` at one of `positions`, kept by this step or locked before it (a
+    grammar's prefix, which this step's samples do not show)."""
+    out, cv = s.out, s.canvas
+
+    def settled(at, token: int) -> bool:
+        now = (out.canvas[i, at] == token) & out.accepted[i, at]
+        before = (cv.tokens[i, at] == token) & cv.accepted[i, at] if cv.accepted is not None else now
+        return bool((now | before).any())
+
+    return settled
+
+
 class ThoughtBudgetFeature(Feature):
     name = "thought_budget"
 
@@ -23,12 +36,10 @@ class ThoughtBudgetFeature(Feature):
             budget = self.of(r)
             if budget is None or r.finished:
                 continue
-            first = int(out.canvas[i, 0]) if not r.output and bool(out.accepted[i, 0]) else None
-            p = budget.position(r.output, first)
-            if p is None or p >= width:
-                continue
-            if bool(((out.canvas[i, :p] == budget.close) & out.accepted[i, :p]).any()):
-                continue  # the model closed the thought on its own
+            settled = _settled(s, i)
+            p = budget.position(r.output, budget.open if settled(0, budget.open) else None)
+            if p is None or p >= width or settled(slice(0, p), budget.close):
+                continue  # no thought, the budget lies past this canvas, or the model closed the thought itself
             out.canvas[i, p] = out.argmax[i, p] = budget.close
             out.accepted[i, p] = True
             out.entropy[i, p] = 0.0
