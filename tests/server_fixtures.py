@@ -77,6 +77,17 @@ def served_checkpoint(tmp_path_factory) -> Path:
     return _CHECKPOINTS[base]
 
 
+def gemma4_checkpoint(tmp_path_factory) -> Path:
+    """The served checkpoint's weights with Gemma 4's control tokens and chat template (tools, thinking)."""
+    import shutil
+
+    directory = tmp_path_factory.getbasetemp() / "gemma4_ckpt"
+    if not directory.exists():
+        shutil.copytree(served_checkpoint(tmp_path_factory), directory)
+        write_tokenizer(directory, 384, GEMMA4_TOKENS, GEMMA4_TEMPLATE)
+    return directory
+
+
 class LiveServer:
     """The app under uvicorn in a thread, on a free loopback port; `stop()` shuts it down as uvicorn would."""
 

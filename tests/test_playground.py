@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from browser import chromium, why_no_browser
-from server_fixtures import served_checkpoint, start_server, wait_until
+from server_fixtures import gemma4_checkpoint, load_with_eos, served_checkpoint, start_server, wait_until
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(why_no_browser() is not None, reason=f"playground browser tests: {why_no_browser()}")]
@@ -229,3 +229,36 @@ def test_a_full_server_shows_429(tmp_path_factory, page):
         hold.set()
         thread.join(10)
         full.stop()
+
+
+def test_a_thought_is_shown_folded_above_the_answer(tmp_path_factory, page):
+    """Thinking on (a checkpoint with Gemma 4's template): the page asks for it and shows the thought folded above
+    the answer, both as the API returns them for the same seed (a seed whose reply thinks, found through the API)."""
+    from dgemma.tokenizer import Tokenizer
+
+    checkpoint = gemma4_checkpoint(tmp_path_factory)
+    opener = Tokenizer(checkpoint).token_id("<|channel>")
+    s = start_server(checkpoint, loader=lambda: load_with_eos(checkpoint), max_concurrency=2)
+    try:
+        user = {"role": "user", "content": "Hello"}
+        ask = {"max_tokens": 16, "max_thinking_tokens": 4, "logit_bias": {str(opener): 6},
+               "chat_template_kwargs": {"enable_thinking": True}}
+        replies = {seed: httpx.post(s.url + "/v1/chat/completions", json={"messages": [user], "seed": seed, **ask},
+                                    timeout=60).json()["choices"][0]["message"] for seed in range(24)}
+        seed, reply = next((k, m) for k, m in replies.items() if m.get("reasoning_content") and m.get("content"))
+        _open(page, s.url)
+        page.check("#think")
+        page.fill("#max-thinking", "4")
+        page.fill("#seed", str(seed))
+        page.fill("#max-tokens", "16")
+        page.click(".knobs summary")
+        page.fill("#knob-logit_bias", f"{opener}: 6")
+        _send(page, "Hello")
+        box = page.locator("#history li.assistant details.thought")
+        assert box.count() == 1 and not box.evaluate("d => d.open")  # folded
+        assert box.locator(".thought-text").text_content() == reply["reasoning_content"]
+        assert page.text_content("#history li.assistant .text") == reply["content"]
+        assert page.problems == []
+    finally:
+        s.stop()
+

@@ -5,12 +5,11 @@ itself writes are sentences of the grammar and parse back to their arguments; th
 tools and a tool-role follow-up are rendered by the template as Gemma 4 writes them."""
 
 import json
-import shutil
 
 import pytest
 
-from server_fixtures import (GEMMA4_TEMPLATE, GEMMA4_TOKENS, check_tool_calls, load_with_eos, openai_server,
-                             served_checkpoint, streamed_tool_calls, write_tokenizer)
+from server_fixtures import (check_tool_calls, gemma4_checkpoint, load_with_eos, openai_server,
+                             streamed_tool_calls)
 
 openai = pytest.importorskip("openai")
 jsonschema_rs = pytest.importorskip("jsonschema_rs")
@@ -35,12 +34,8 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME, "search": NESTED}
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """The served tiny checkpoint's weights with a Gemma-4-style tokenizer and chat template."""
-    directory = tmp_path_factory.getbasetemp() / "gemma4_ckpt"
-    if not directory.exists():
-        shutil.copytree(served_checkpoint(tmp_path_factory), directory)
-        write_tokenizer(directory, 384, GEMMA4_TOKENS, GEMMA4_TEMPLATE)
-    return directory
+    """The served tiny checkpoint's weights with Gemma 4's tokens and chat template."""
+    return gemma4_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

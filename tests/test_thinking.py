@@ -7,7 +7,6 @@ output and tool calls hold for the answer after the thought; max_thinking_tokens
 decoding mode, in the same canvas as the answer after it; the server returns vLLM's fields."""
 
 import json
-import shutil
 
 import jinja2
 import pytest
@@ -18,8 +17,7 @@ from dgemma.chat.tools import ToolUse
 from dgemma.chat.turn import ChatTurn
 from dgemma.engine import Event, OutputStream
 from dgemma.sampling import Grammar, SamplingParamsError
-from server_fixtures import (GEMMA4_TEMPLATE, GEMMA4_TOKENS, load_with_eos, openai_server, served_checkpoint,
-                             write_tokenizer)
+from server_fixtures import GEMMA4_TEMPLATE, gemma4_checkpoint, load_with_eos, openai_server
 
 CHAT = [{"role": "user", "content": "What is two plus two?"}]
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
@@ -28,11 +26,7 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    directory = tmp_path_factory.getbasetemp() / "gemma4_thinking_ckpt"
-    if not directory.exists():
-        shutil.copytree(served_checkpoint(tmp_path_factory), directory)
-        write_tokenizer(directory, 384, GEMMA4_TOKENS, GEMMA4_TEMPLATE)
-    return directory
+    return gemma4_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +227,23 @@ def test_server_refuses_bad_thinking_fields(served, body, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, extra_body=body)
     assert e.value.body["param"] == param
+
+
+# ---- the command line ---------------------------------------------------------------------------------------------
+def test_the_cli_shows_the_thought_before_the_answer(capsys):
+    from dgemma.display import print_stream
+    from dgemma.engine import Result, StreamEvent
+
+    done = StreamEvent("done", finish_reason="stop", result=Result([1], "It is 4.", "stop", {
+        "seconds": 1.0, "tokens_per_second": 1.0, "steps_per_canvas": [1], "tokens_per_forward": 1.0}))
+    print_stream([StreamEvent("text", "", reasoning="Two and"), StreamEvent("text", "", reasoning=" two."),
+                  StreamEvent("text", "It is 4."), done])
+    assert capsys.readouterr().out == "Thinking...\nTwo and two.\n...done thinking.\n\nIt is 4.\n"
+
+
+def test_think_on_a_checkpoint_without_thinking_is_one_clear_line(capsys):
+    from dgemma.cli import main
+
+    assert main(["generate", "--think", "Hello", "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no thinking mode" in err[0]

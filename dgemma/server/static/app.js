@@ -109,6 +109,10 @@ function requestBody() {
   const body = { model: state.model.id, stream: true, stream_options: { include_usage: true }, dgemma_drafts: true,
                  max_tokens: number("max-tokens"), seed: number("seed"), dgemma_sampling: {} };
   for (const id of ["steps", "t-max", "t-min", "entropy-bound"]) body.dgemma_sampling[PARAMS[id]] = number(id);
+  if (state.mode === "chat" && $("think").checked) {  // the template's thinking mode: the thought comes apart
+    body.chat_template_kwargs = { enable_thinking: true };
+    body.max_thinking_tokens = number("max-thinking");
+  }
   return Object.assign(body, knobValues());  // undefined fields are left out by JSON.stringify: the server uses the checkpoint's
 }
 
@@ -133,6 +137,22 @@ function addMessage(role, content) {
   }
   $("history").append(li);
   return li;
+}
+
+// The thought of an answer, folded above its text (created on its first words).
+function thoughtOf(holder) {
+  let text = holder.querySelector(".thought-text");
+  if (!text) {
+    const box = document.createElement("details");
+    box.className = "thought";
+    const summary = document.createElement("summary");
+    summary.textContent = "Thought";
+    text = document.createElement("span");
+    text.className = "thought-text";
+    box.append(summary, text);
+    holder.insertBefore(box, holder.querySelector(".text"));
+  }
+  return text;
 }
 
 function addNote(element, text) {
@@ -198,6 +218,8 @@ async function send(event) {
       const choice = chunk.choices[0];
       if (!choice) continue;
       if (choice.dgemma_draft) record({ kind: "draft", draft: choice.dgemma_draft, t: performance.now() });
+      const thought = chat ? choice.delta?.reasoning_content : null;
+      if (thought) thoughtOf(target.holder).textContent += thought;
       const delta = chat ? choice.delta?.content : choice.text;
       if (delta) {
         answer += delta;
