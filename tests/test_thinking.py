@@ -93,6 +93,16 @@ def test_the_thought_splits_from_the_answer_at_the_channel_ids(model, ids, chunk
     assert (result.reasoning, result.text, result.token_ids) == ("Two and two make four.", "It is 4.", reply)
 
 
+def test_drafts_split_like_commits(model, ids):
+    """A draft of the first canvas and one after a committed thought: each shows its thought and answer apart."""
+    out = OutputStream(model.tokenizer, (), model.prompts.turn(think=True))
+    first = out.feed(Event("r", "draft", [ids["open"], *ids["text"]("thought\nHm, yes")]))[0]
+    assert (first.reasoning, first.text) == ("Hm, yes", "")
+    out.feed(Event("r", "commit", [ids["open"], *ids["text"]("thought\nHm")]))
+    later = out.feed(Event("r", "draft", [*ids["text"](" yes"), ids["close"], *ids["text"]("Four")]))[0]
+    assert (later.reasoning, later.text) == (" yes", "Four")
+
+
 def test_a_reply_that_does_not_open_the_channel_has_no_thought(model, ids):
     reply = ids["text"]("thought\nIt is 4.") + [ids["close"]] + ids["text"](" ok")
     out = OutputStream(model.tokenizer, (), model.prompts.turn(think=True))
