@@ -100,6 +100,17 @@ class Health(BaseModel):
     status: Literal["ok"]
 
 
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 class ErrorBody(BaseModel):
     message: str
     type: str
