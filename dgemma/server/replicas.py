@@ -1,0 +1,222 @@
+"""`dgemma serve --replicas N`: N `dgemma serve` workers on loopback ports (one GPU each, or a share of the CPU
+cores each, threads split) behind a router binary (vllm-router or sglang-router, from PyPI) that listens on
+--host/--port; all started, and stopped, together (SIGTERM / Ctrl-C drains the workers; the children are told to
+stop if this process dies)."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from dgemma.errors import ConfigError, DgemmaError
+
+log = logging.getLogger("dgemma.server")
+POLICIES = {"vllm-router": ("cache_aware", "consistent_hash", "round_robin", "power_of_two", "random"),
+            "sglang-router": ("cache_aware", "round_robin", "power_of_two", "random")}
+WORKER_ONLY = ("replicas", "router", "router_policy", "host", "port", "threads", "allowed_hosts", "cors_origins")
+STARTUP_SECONDS = 900.0  # a worker's load (a repo download included) before the launcher gives up
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replicas", type=int, default=1, help="start this many workers (one per GPU with --device "
+                   "cuda, else a share of the CPU cores each) behind --router on --host/--port (default 1: no router)")
+    p.add_argument("--router", default="vllm-router", choices=tuple(POLICIES),
+                   help="router binary in front of the replicas (pip install vllm-router / sglang-router)")
+    p.add_argument("--router-policy", default="cache_aware", choices=POLICIES["vllm-router"],
+                   help="the router's policy: cache_aware sends a chat's turns to the replica that holds its "
+                   "prefix (sglang-router has no consistent_hash)")
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    url: str
+
+
+def run(args: argparse.Namespace, worker_parser: argparse.ArgumentParser) -> int:
+    """Start the workers, wait until each is healthy, start the router, and wait for a signal (or the router's
+    end); then stop everything. `worker_parser`: `dgemma serve`'s own flags, to pass the workers theirs."""
+    router = _router_binary(args.router, args.router_policy)
+    if args.replicas < 1:
+        raise ConfigError("--replicas must be >= 1")
+    ports = _free_ports(args.replicas)
+    children: list[Child] = []
+    stop = _stop_on_signals()
+    try:
+        for i, port in enumerate(ports):
+            children.append(_start_worker(i, port, args, worker_parser))
+        _wait_healthy(children, stop)
+        urls = [c.url for c in children]
+        command = _router_command(router, args, urls)
+        children.append(Child(args.router, _spawn(command, os.environ.copy()), f"http://{args.host}:{args.port}"))
+        log.info("serving %d replicas behind %s (%s) on http://%s:%d", args.replicas, args.router,
+                 args.router_policy, args.host, args.port)
+        return _supervise(children, stop)
+    finally:
+        _stop_all(children, args.shutdown_timeout)
+
+
+def _router_binary(name: str, policy: str) -> str:
+    if policy not in POLICIES[name]:
+        raise ConfigError(f"--router-policy {policy}: {name} offers {', '.join(POLICIES[name])}")
+    found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    if found is None:
+        raise DgemmaError(f"--replicas needs the router binary {name}: pip install {name}")
+    return found
+
+
+def _router_command(binary: str, args: argparse.Namespace, urls: list[str]) -> list[str]:
+    """The router on --host/--port over `urls`. vllm-router passes each client's key on to the workers (which
+    check it, and partition their prefix caches by it); sglang-router checks the first --api-key itself."""
+    command = [binary, *(["launch"] if args.router == "sglang-router" else []), "--host", args.host,
+               "--port", str(args.port), "--worker-urls", *urls, "--policy", args.router_policy,
+               "--health-check-interval-secs", "5", "--log-level", "warning"]
+    if args.router == "sglang-router" and args.api_keys:
+        command += ["--api-key", args.api_keys[0]]
+    return command
+
+
+def _start_worker(i: int, port: int, args: argparse.Namespace, parser: argparse.ArgumentParser) -> Child:
+    """Worker i on 127.0.0.1:`port`: GPU i with --device cuda, else its share of the cores."""
+    env = os.environ.copy()
+    extra = ["--host", "127.0.0.1", "--port", str(port)]
+    cores = None
+    if args.device.startswith("cuda"):
+        visible = env.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(args.replicas)))).split(",")
+        if i >= len(visible):
+            raise ConfigError(f"--replicas {args.replicas}: only {len(visible)} GPUs are visible")
+        env["CUDA_VISIBLE_DEVICES"] = visible[i]
+    else:
+        cores = _core_share(i, args.replicas)
+        extra += ["--threads", str(args.threads or len(cores))]
+    command = [sys.executable, "-m", "dgemma.server.command", *worker_argv(args, parser), *extra]
+    child = Child(f"worker {i}", _spawn(command, env, cores), f"http://127.0.0.1:{port}")
+    log.info("%s (pid %d) on %s", child.name, child.process.pid, child.url)
+    return child
+
+
+def worker_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    """The flags of `parser` that `args` sets to other than their defaults, launcher-only ones left out."""
+    argv: list[str] = []
+    for action in parser._actions:
+        value = getattr(args, action.dest, action.default)
+        if not action.option_strings or action.dest in WORKER_ONLY or value == action.default or value is None:
+            continue
+        flag = action.option_strings[0]
+        if action.nargs == 0:
+            argv.append(flag)
+        elif isinstance(value, list):
+            argv += [part for v in value for part in (flag, str(v))]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _core_share(i: int, n: int) -> list[int]:
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // n)
+    return cores[i * per:(i + 1) * per] or cores[-per:]
+
+
+def _spawn(command: list[str], env: dict[str, str], cores: list[int] | None = None) -> subprocess.Popen:
+    def child_setup() -> None:
+        _die_with_parent()
+        if cores is not None:
+            os.sched_setaffinity(0, cores)
+
+    # a session of its own: Ctrl-C in a terminal reaches the launcher only, which then drains each child once
+    return subprocess.Popen(command, env=env, preexec_fn=child_setup, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this child when the launcher dies, however it dies (no orphans after a SIGKILL)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _stop_on_signals() -> list[int]:
+    """The signals received so far (SIGTERM, SIGINT): the first stops the launcher, which drains the workers."""
+    received: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, _: received.append(s))
+    return received
+
+
+def _wait_healthy(children: list[Child], stop: list[int]) -> None:
+    deadline = time.monotonic() + STARTUP_SECONDS
+    pending = list(children)
+    while pending:
+        for child in list(pending):
+            if child.process.poll() is not None:
+                raise DgemmaError(f"{child.name} exited with code {child.process.returncode} while starting")
+            if _healthy(child.url):
+                pending.remove(child)
+        if stop:
+            raise DgemmaError("interrupted while the workers started")
+        if time.monotonic() > deadline:
+            raise DgemmaError(f"{pending[0].name} was not ready after {STARTUP_SECONDS:g} s")
+        time.sleep(0.2)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _supervise(children: list[Child], stop: list[int]) -> int:
+    """Until a signal (0) or the router's end (its code, or 1): a worker that ends is reported, and the router
+    serves on with the others."""
+    router, reported = children[-1], set()
+    while not stop:
+        if router.process.poll() is not None:
+            log.error("%s exited with code %d; stopping the workers", router.name, router.process.returncode)
+            return router.process.returncode or 1
+        for child in children[:-1]:
+            if child.process.poll() is not None and child.name not in reported:
+                reported.add(child.name)
+                log.warning("%s (%s) exited with code %d; the router serves on with the others", child.name,
+                            child.url, child.process.returncode)
+        time.sleep(0.2)
+    return 0
+
+
+def _stop_all(children: list[Child], grace: float) -> None:
+    """SIGTERM to every child (the workers drain for --shutdown-timeout), then SIGKILL to any still running."""
+    for child in children:
+        if child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace + 10
+    for child in children:
+        try:
+            child.process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.process.kill()
+            child.process.wait()
