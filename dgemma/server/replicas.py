@@ -25,6 +25,8 @@ log = logging.getLogger("dgemma.server")
 POLICIES = {"vllm-router": ("cache_aware", "consistent_hash", "round_robin", "power_of_two", "random"),
             "sglang-router": ("cache_aware", "round_robin", "power_of_two", "random")}
 WORKER_ONLY = ("replicas", "router", "router_policy", "host", "port", "threads", "allowed_hosts", "cors_origins")
+# a replica that died is dropped after two failed /health checks 2 s apart (the routers' defaults: 3 x 60 s)
+HEALTH_CHECKS = ("--health-check-interval-secs", "2", "--health-failure-threshold", "2")
 STARTUP_SECONDS = 900.0  # a worker's load (a repo download included) before the launcher gives up
 
 
@@ -82,7 +84,7 @@ def _router_command(binary: str, args: argparse.Namespace, urls: list[str]) -> l
     check it, and partition their prefix caches by it); sglang-router checks the first --api-key itself."""
     command = [binary, *(["launch"] if args.router == "sglang-router" else []), "--host", args.host,
                "--port", str(args.port), "--worker-urls", *urls, "--policy", args.router_policy,
-               "--health-check-interval-secs", "5", "--log-level", "warning"]
+               *HEALTH_CHECKS, "--log-level", "warning"]
     if args.router == "sglang-router" and args.api_keys:
         command += ["--api-key", args.api_keys[0]]
     return command
