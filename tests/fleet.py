@@ -31,11 +31,13 @@ def free_port() -> int:
 
 
 class Fleet:
-    """`dgemma serve --replicas N ARGS` on a free port; `workers`: [(pid, url)] once ready; `stop()` drains it."""
+    """`dgemma serve --replicas N ARGS` on a free port (`key`: the API key it sends); `workers`: [(pid, url)] once
+    ready; `stop()` drains it."""
 
     def __init__(self, checkpoint: Path, replicas: int, *args: str, router: str = "vllm-router",
-                 policy: str = "cache_aware", threads: int | None = None):
+                 policy: str = "cache_aware", threads: int | None = None, key: str | None = None):
         self.port = free_port()
+        self.headers = {"authorization": f"Bearer {key}"} if key else {}
         self.url = f"http://127.0.0.1:{self.port}"
         env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         command = [sys.executable, "-m", "dgemma.server.command", "--model", str(checkpoint), "--served-model-name",
@@ -53,10 +55,11 @@ class Fleet:
     def wait_ready(self, timeout: float = 120.0) -> Fleet:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.process.poll() is None:
-            if _ok(self.url + "/v1/models"):
+            if _ok(self.url + "/v1/models", self.headers):
                 self.workers = self._workers()
                 return self
             time.sleep(0.2)
+        self.stop()
         raise RuntimeError("the fleet did not start:\n" + "".join(self.lines[-30:]))
 
     def _workers(self) -> list[tuple[int, str]]:
@@ -66,7 +69,8 @@ class Fleet:
 
     def counters(self) -> list[dict[str, float]]:
         """Per worker: its prefix cache's lookups, hits and tokens reused so far."""
-        return [prefix_counters(httpx.get(url + "/metrics", timeout=10).text) for _, url in self.workers]
+        return [prefix_counters(httpx.get(url + "/metrics", headers=self.headers, timeout=10).text)
+                for _, url in self.workers]
 
     def stop(self, timeout: float = 60.0) -> int:
         if self.process.poll() is None:
@@ -97,8 +101,8 @@ def _zombie(pid: int) -> bool:
         return False
 
 
-def _ok(url: str) -> bool:
+def _ok(url: str, headers: dict[str, str]) -> bool:
     try:
-        return httpx.get(url, timeout=2).status_code == 200
+        return httpx.get(url, headers=headers, timeout=2).status_code == 200
     except httpx.TransportError:
         return False

@@ -1,7 +1,7 @@
 """What routers in front of replicas (vllm-router, sglang-router) and token-counting clients ask a replica, in the
-shapes vLLM and SGLang answer: POST /tokenize and /detokenize (vLLM's), GET /get_load (SGLang's per-rank load
-list; open like /health: routers send no key there), GET /server_info and /model_info (SGLang's, with their
-older /get_ names: what sglang-router reads when a worker registers)."""
+shapes vLLM and SGLang answer: POST /tokenize and /detokenize (vLLM's), GET /get_load (the object vllm-router
+reads; open like /health: it sends no key there), GET /server_info and /model_info (SGLang's, with their older
+/get_ names: what sglang-router reads when a worker registers)."""
 
 from __future__ import annotations
 
@@ -60,16 +60,16 @@ def install(api: APIRouter, app: FastAPI, service: Service, responses: Any) -> N
     @api.get("/get_model_info", response_model=None, include_in_schema=False)
     async def model_info() -> Any:
         """SGLang's model facts: a generative model, its id."""
-        return {"model_path": service.config.model_name, "tokenizer_path": service.config.model_name,
-                "is_generation": True, "model_type": "diffusion_gemma"}
+        return {"model_path": service.config.model_name, "tokenizer_path": None, "is_generation": True,
+                "model_type": "diffusion_gemma"}
 
     @app.get("/get_load", response_model=None)
     async def get_load() -> Any:
-        """SGLang's load list (one entry: one data-parallel rank): admitted sequences, those not yet in the batch,
-        and their tokens (prompt + max_tokens), which sglang-router's power_of_two compares."""
+        """The load vllm-router's power_of_two compares (`load`: admitted sequences), with SGLang's figures beside
+        it: those not yet in the batch, and their tokens (prompt + max_tokens)."""
         running = service.worker.running if service.worker is not None else 0
-        return [{"dp_rank": 0, "num_reqs": service.in_use, "num_waiting_reqs": max(0, service.in_use - running),
-                 "num_tokens": service.tokens_in_use}]
+        return {"load": service.in_use, "num_reqs": service.in_use,
+                "num_waiting_reqs": max(0, service.in_use - running), "num_tokens": service.tokens_in_use}
 
 
 def _ready(service: Service, name: str | None):

@@ -84,7 +84,7 @@ def _router_command(binary: str, args: argparse.Namespace, urls: list[str]) -> l
     check it, and partition their prefix caches by it); sglang-router checks the first --api-key itself."""
     command = [binary, *(["launch"] if args.router == "sglang-router" else []), "--host", args.host,
                "--port", str(args.port), "--worker-urls", *urls, "--policy", args.router_policy,
-               *HEALTH_CHECKS, "--log-level", "warning"]
+               *HEALTH_CHECKS, "--log-level", "warn" if args.router == "sglang-router" else "warning"]
     if args.router == "sglang-router" and args.api_keys:
         command += ["--api-key", args.api_keys[0]]
     return command
