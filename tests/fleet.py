@@ -55,7 +55,7 @@ class Fleet:
     def wait_ready(self, timeout: float = 120.0) -> Fleet:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.process.poll() is None:
-            if _ok(self.url + "/v1/models", self.headers):
+            if _ok(self.url + "/health", {}) and _ok(self.url + "/v1/models", self.headers):
                 self.workers = self._workers()
                 return self
             time.sleep(0.2)
