@@ -1,9 +1,10 @@
-"""One server vs replicas behind a router, on a multi-turn chat workload: for 1 replica and for 2 behind the router
-with each policy, the prompt tokens the replicas' prefix caches reused, time to first token (first streamed text)
+"""One server vs replicas behind a router, on a multi-turn chat workload: for 1 replica (1 thread, then all the
+cores) and for 2 behind the router with each policy (cache_aware also with the router's own balance thresholds),
+the prompt tokens the replicas' prefix caches reused, time to first token (first streamed text)
 and output tokens/s, measured client-side. Conversations run side by side, each turn after the previous answer;
 all share a system prompt. Last stdout line: JSON.
 
-    python benchmarks/router.py [--conversations 8 --turns 6 --max-tokens 16] [--router vllm-router]
+    python benchmarks/router.py [--conversations 8 --turns 6 --max-tokens 16] [--router vllm-router] [--cores 2]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from fleet import Fleet, router_binary  # noqa: E402
 
 SYSTEM = ("You are a patient assistant for a small zoo. Answer in short sentences, name the animal first, and say "
           "when you do not know. The zoo has foxes, dogs, owls and a very old tortoise called Block. ") * 4
+ROUTER_DEFAULTS = "--balance-abs-threshold 64 --balance-rel-threshold 1.5"  # cache_aware as the routers ship it
 POLICIES = {"vllm-router": ("cache_aware", "consistent_hash", "round_robin", "power_of_two"),
             "sglang-router": ("cache_aware", "round_robin", "power_of_two")}
 
@@ -71,15 +73,18 @@ def measure(fleet: Fleet, args: argparse.Namespace) -> dict:
             "output_tokens_per_s": round(sum(n for _, n in turns) / wall, 1), "wall_s": round(wall, 2)}
 
 
-def run_config(checkpoint: Path, replicas: int, policy: str | None, args: argparse.Namespace) -> dict:
-    threads = None if replicas > 1 else args.cores  # 1 replica: all the cores; N: the launcher splits them
+def run_config(checkpoint: Path, replicas: int, policy: str | None, args: argparse.Namespace,
+               threads: int | None = None, router_args: str = "") -> dict:
+    """One row: `replicas` behind the router with `policy` (the launcher splits the cores), or one server with
+    `threads`."""
     fleet = Fleet(checkpoint, replicas, "--max-concurrency", str(args.conversations), router=args.router,
-                  policy=policy or "cache_aware", threads=threads).wait_ready()
+                  policy=policy or "cache_aware", threads=threads, router_args=router_args).wait_ready()
     try:
         result = measure(fleet, args)
     finally:
         fleet.stop()
-    row = {"replicas": replicas, "router": args.router if replicas > 1 else None, "policy": policy, **result}
+    row = {"replicas": replicas, "threads_per_replica": threads or max(1, args.cores // replicas),
+           "router": args.router if replicas > 1 else None, "policy": policy, "router_args": router_args, **result}
     print(json.dumps(row), flush=True)
     return row
 
@@ -92,7 +97,8 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--router", default="vllm-router", choices=tuple(POLICIES))
-    p.add_argument("--cores", type=int, default=2, help="torch threads of the single replica (default 2)")
+    p.add_argument("--cores", type=int, default=2, help="the machine's cores: 1 replica runs with 1 thread, then "
+                   "with this many; 2 replicas get half each (default 2)")
     args = p.parse_args()
     if router_binary(args.router) is None:
         raise SystemExit(f"error: this benchmark needs {args.router}: pip install {args.router}")
@@ -102,8 +108,9 @@ def main() -> None:
             from server_fixtures import build_served_checkpoint
 
             checkpoint = build_served_checkpoint(Path(tmp) / "tiny", max_new_tokens=args.max_tokens)
-        rows = [run_config(checkpoint, 1, None, args)]
+        rows = [run_config(checkpoint, 1, None, args, threads) for threads in sorted({1, args.cores})]
         rows += [run_config(checkpoint, 2, policy, args) for policy in POLICIES[args.router]]
+        rows.append(run_config(checkpoint, 2, "cache_aware", args, router_args=ROUTER_DEFAULTS))
     print(json.dumps({"workload": {"conversations": args.conversations, "turns": args.turns,
                                    "max_tokens": args.max_tokens, "checkpoint": str(args.checkpoint or "tiny")},
                       "results": rows}))

@@ -35,7 +35,8 @@ class Fleet:
     ready; `stop()` drains it."""
 
     def __init__(self, checkpoint: Path, replicas: int, *args: str, router: str = "vllm-router",
-                 policy: str = "cache_aware", threads: int | None = None, key: str | None = None):
+                 policy: str = "cache_aware", threads: int | None = None, key: str | None = None,
+                 router_args: str = ""):
         self.port = free_port()
         self.headers = {"authorization": f"Bearer {key}"} if key else {}
         self.url = f"http://127.0.0.1:{self.port}"
@@ -43,7 +44,8 @@ class Fleet:
         command = [sys.executable, "-m", "dgemma.server.command", "--model", str(checkpoint), "--served-model-name",
                    "tiny", "--port", str(self.port), "--no-access-log", *args]
         if replicas > 1:
-            command += ["--replicas", str(replicas), "--router", router, "--router-policy", policy]
+            command += ["--replicas", str(replicas), "--router", router, "--router-policy", policy,
+                        "--router-args", router_args]
         command += ["--threads", str(threads)] if threads else []
         self.replicas = replicas
         self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

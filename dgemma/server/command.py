@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
-    """One server's flags (`add_arguments` adds the launcher's: --replicas, --router, --router-policy)."""
+    """One server's flags (`add_arguments` adds the launcher's: --replicas, --router, --router-policy, ...)."""
     add_model_options(p)
     add_threads_option(p)
     ServerConfig.add_flags(p)
