@@ -15,7 +15,7 @@ from dgemma.sampling import SamplingParamsError
 from dgemma.server import planning
 from dgemma.server.errors import bad_request
 from dgemma.server.protocol import DetokenizeRequest, TokenizeRequest
-from dgemma.server.responses import DetokenizeResponse, TokenizeResponse
+from dgemma.server.responses import DetokenizeResponse, Load, ModelInfo, ServerInfo, TokenizeResponse
 from dgemma.server.service import Service
 
 
@@ -47,7 +47,7 @@ def install(api: APIRouter, app: FastAPI, service: Service, responses: Any) -> N
             raise bad_request(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", "tokens")
         return {"prompt": await service.off_loop(model.tokenizer.decode, body.tokens, False)}
 
-    @api.get("/server_info", response_model=None, responses=responses(None, 401))
+    @api.get("/server_info", response_model=None, responses=responses(ServerInfo, 401))
     @api.get("/get_server_info", response_model=None, include_in_schema=False)
     async def server_info() -> Any:
         """SGLang's server facts that a router reads: the model, parallel sizes (1: each replica is whole)."""
@@ -56,14 +56,14 @@ def install(api: APIRouter, app: FastAPI, service: Service, responses: Any) -> N
                 "tp_size": 1, "dp_size": 1, "version": __version__, "max_concurrency": service.config.max_concurrency,
                 "context_length": model.max_context if model is not None else None}
 
-    @api.get("/model_info", response_model=None, responses=responses(None, 401))
+    @api.get("/model_info", response_model=None, responses=responses(ModelInfo, 401))
     @api.get("/get_model_info", response_model=None, include_in_schema=False)
     async def model_info() -> Any:
         """SGLang's model facts: a generative model, its id."""
         return {"model_path": service.config.model_name, "tokenizer_path": None, "is_generation": True,
                 "model_type": "diffusion_gemma"}
 
-    @app.get("/get_load", response_model=None)
+    @app.get("/get_load", response_model=None, responses=responses(Load))
     async def get_load() -> Any:
         """The load vllm-router's power_of_two compares (`load`: admitted sequences), with SGLang's figures beside
         it: those not yet in the batch, and their tokens (prompt + max_tokens)."""
