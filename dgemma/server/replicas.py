@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dgemma.errors import ConfigError, DgemmaError
+from dgemma.server.config import KEY_ENV
 
 log = logging.getLogger("dgemma.server")
 POLICIES = {"vllm-router": ("cache_aware", "consistent_hash", "round_robin", "power_of_two", "random"),
@@ -60,18 +61,22 @@ def run(args: argparse.Namespace, worker_parser: argparse.ArgumentParser) -> int
     if args.replicas < 1:
         raise ConfigError("--replicas must be >= 1")
     router = _router_binary(args.router, args.router_policy)
-    ports = _free_ports(args.replicas)
+    try:
+        extra = shlex.split(args.router_args)
+    except ValueError as e:
+        raise ConfigError(f"--router-args: {e}") from None
+    ports = _free_ports(args.replicas + 1)
+    port = args.port or ports.pop()  # --port 0: any free port, as for one server
     children: list[Child] = []
     stop = _stop_on_signals()
     try:
-        for i, port in enumerate(ports):
-            children.append(_start_worker(i, port, args, worker_parser))
+        for i, worker_port in enumerate(ports[:args.replicas]):
+            children.append(_start_worker(i, worker_port, args, worker_parser))
         _wait_healthy(children, stop)
-        urls = [c.url for c in children]
-        command = _router_command(router, args, urls)
-        children.append(Child(args.router, _spawn(command, os.environ.copy()), f"http://{args.host}:{args.port}"))
+        command = _router_command(router, args, port, [c.url for c in children]) + extra
+        children.append(Child(args.router, _spawn(command, os.environ.copy()), f"http://{args.host}:{port}"))
         log.info("serving %d replicas behind %s (%s) on http://%s:%d", args.replicas, args.router,
-                 args.router_policy, args.host, args.port)
+                 args.router_policy, args.host, port)
         return _supervise(children, stop)
     finally:
         _stop_all(children, args.shutdown_timeout)
@@ -86,17 +91,19 @@ def _router_binary(name: str, policy: str) -> str:
     return found
 
 
-def _router_command(binary: str, args: argparse.Namespace, urls: list[str]) -> list[str]:
-    """The router on --host/--port over `urls`. vllm-router passes each client's key on to the workers (which
-    check it, and partition their prefix caches by it); sglang-router checks the first --api-key itself."""
+def _router_command(binary: str, args: argparse.Namespace, port: int, urls: list[str]) -> list[str]:
+    """The router on --host and `port` over `urls` (--router-args go last: the routers take the last of a repeated
+    flag). vllm-router passes each client's key on to the workers (which check it, and partition their prefix
+    caches by it); sglang-router checks the first --api-key (or $DGEMMA_API_KEY) itself."""
     command = [binary, *(["launch"] if args.router == "sglang-router" else []), "--host", args.host,
-               "--port", str(args.port), "--worker-urls", *urls, "--policy", args.router_policy,
+               "--port", str(port), "--worker-urls", *urls, "--policy", args.router_policy,
                *HEALTH_CHECKS, "--log-level", "warn" if args.router == "sglang-router" else "warning"]
     if args.router_policy == "cache_aware":  # the routers' 64 in flight is 4x dgemma's batch (default 16)
         command += ["--balance-abs-threshold", str(max(1, args.max_concurrency // 2)), *BALANCE_RELATIVE]
-    if args.router == "sglang-router" and args.api_keys:
-        command += ["--api-key", args.api_keys[0]]
-    return command + shlex.split(args.router_args)  # last: the routers take the last of a repeated flag
+    keys = [*args.api_keys, *filter(None, [os.environ.get(KEY_ENV)])]
+    if args.router == "sglang-router" and keys:
+        command += ["--api-key", keys[0]]
+    return command
 
 
 def _start_worker(i: int, port: int, args: argparse.Namespace, parser: argparse.ArgumentParser) -> Child:
