@@ -68,8 +68,12 @@ class Tokenizer:
             ids = [bos, *ids]
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special)
+
+    def token_strs(self, ids: list[int]) -> list[str | None]:
+        """Each id's vocabulary entry as the tokenizer stores it (byte-level BPE: "Ġhello")."""
+        return [self.tok.id_to_token(i) for i in ids]
 
     def pieces(self, ids: list[int]) -> list[str]:
         """Each id's own text (special tokens by name), to show a canvas position by position. Remembered per id

@@ -1,6 +1,6 @@
 """No client input is a 5xx: the malformed bodies an attacker tried (JSON nested 70,000 deep, a hole length of
 5,000 digits, tool calls of the wrong shape), then a seeded fuzz that puts random JSON values (deep, huge,
-odd strings) into every field of both request schemas; and the key is checked before a body is read."""
+odd strings) into every field of the request schemas (/tokenize and /detokenize too); and the key is checked before a body is read."""
 
 import json
 import random
@@ -8,10 +8,10 @@ import random
 import httpx
 import pytest
 
-from dgemma.server.protocol import ChatCompletionRequest, CompletionRequest
+from dgemma.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from server_fixtures import served_checkpoint, start_server
 
-C, X = "/v1/completions", "/v1/chat/completions"
+C, X, T, D = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
 CHAT = [{"role": "user", "content": "Hi"}]
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
@@ -94,13 +94,15 @@ def _set(body: dict, path: str, value) -> dict:
     return body
 
 
-def test_a_fuzz_over_both_schemas_finds_no_5xx(server):
+def test_a_fuzz_over_the_request_schemas_finds_no_5xx(server):
     rng = random.Random(23)
     bases = {C: (CompletionRequest, {"prompt": "hi", "max_tokens": 1}),
-             X: (ChatCompletionRequest, {"messages": [CHAT[0] | {"tool_calls": [CALL]}], "max_tokens": 1})}
+             X: (ChatCompletionRequest, {"messages": [CHAT[0] | {"tool_calls": [CALL]}], "max_tokens": 1}),
+             T: (TokenizeRequest, {"messages": [CHAT[0] | {"tool_calls": [CALL]}]}),
+             D: (DetokenizeRequest, {"tokens": [3]})}
     failures = []
-    for _ in range(150):
-        path = rng.choice([C, X])
+    for _ in range(200):
+        path = rng.choice(list(bases))
         schema, base = bases[path]
         body = base
         for _ in range(rng.randint(1, 2)):

@@ -1,5 +1,5 @@
 """Routes and SSE: GET /v1/models, POST /v1/completions and /v1/chat/completions (JSON or an event stream),
-GET /health, GET /metrics (all of it for the metrics key, its own series for an API key). Routes stay thin: checks
+GET /health, the routes routers call (fleet.py), GET /metrics (all of it for the metrics key, its own series for an API key). Routes stay thin: checks
 and engine glue live in service.py, planning.py and generation.py, wire shapes in protocol.py (requests) and
 responses.py, keys / Host / body limits in security.py."""
 
@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from dgemma import __version__
 from dgemma.api import Model
 from dgemma.sampling import SamplingParamsError
-from dgemma.server import errors, playground, security
+from dgemma.server import errors, fleet, playground, security
 from dgemma.server.config import ServerConfig
 from dgemma.server.generation import Generation
 from dgemma.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -73,6 +73,7 @@ def create_app(config: ServerConfig, loader: Callable[[], Model],
     keys = security.ApiKeys(config.api_keys)
     api = APIRouter(route_class=_guarded(keys))
     _routes(api, service)
+    fleet.install(api, app, service, _responses)
 
     @api.get("/openapi.json", include_in_schema=False)
     async def openapi() -> JSONResponse:

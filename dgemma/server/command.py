@@ -1,4 +1,5 @@
-"""`dgemma serve`: arguments, binding the socket, and running uvicorn with a SIGTERM drain. Wired into
+"""`dgemma serve`: arguments, binding the socket, and running uvicorn with a SIGTERM drain (with --replicas, the
+launcher in replicas.py instead). Wired into
 dgemma/cli.py as `add_arguments(parser)` + `run(args)`; also runnable as `python -m dgemma.server.command`."""
 
 from __future__ import annotations
@@ -25,6 +26,14 @@ def _load(args: argparse.Namespace):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from dgemma.server import replicas
+
+    add_worker_arguments(p)
+    replicas.add_arguments(p)
+
+
+def add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    """One server's flags (`add_arguments` adds the launcher's: --replicas, --router, --router-policy, ...)."""
     add_model_options(p)
     add_threads_option(p)
     ServerConfig.add_flags(p)
@@ -44,8 +53,14 @@ def run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     _check_model(args.model, args.revision)
-    apply_threads(args)
     _setup_logging(config.log_level)
+    if getattr(args, "replicas", 1) != 1:
+        from dgemma.server import replicas
+
+        worker_flags = argparse.ArgumentParser(add_help=False)
+        add_worker_arguments(worker_flags)
+        return replicas.run(args, worker_flags)
+    apply_threads(args)
     sock = _bind(config.host, config.port)
     failure: list[str] = []
     server = None

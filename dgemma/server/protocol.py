@@ -334,6 +334,57 @@ class ChatCompletionRequest(OpenAIRequest):
 
     def chat(self) -> list[dict[str, Any]]:
         """The messages as `Model.encode_prompt` takes them (rendered there by `turn()`)."""
-        return [{"role": m.role, "content": m.template_content(), "tool_calls": [c.model_dump() for c in
-                 m.tool_calls or ()] or None, "tool_call_id": m.tool_call_id}
-                | ({"reasoning_content": m.thought()} if m.thought() else {}) for m in self.messages]
+        return chat_messages(self.messages)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as `Model.encode_prompt` takes them (the chat routes' and /tokenize's)."""
+    return [{"role": m.role, "content": m.template_content(), "tool_calls": [c.model_dump() for c in
+             m.tool_calls or ()] or None, "tool_call_id": m.tool_call_id}
+            | ({"reasoning_content": m.thought()} if m.thought() else {}) for m in messages]
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's POST /tokenize: a `prompt` (as /v1/completions encodes it) or chat `messages` (as
+    /v1/chat/completions renders them, `tools` included): routers ask it for the ids they route on, clients to
+    count tokens. Fields vLLM has and dgemma does not use (mm_processor_kwargs) are ignored."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+    model: Text | None = Field(None, description="the served model's id; may be omitted")
+    prompt: Text | None = Field(None, description="a text, encoded as /v1/completions encodes it")
+    messages: list[ChatMessage] | None = Field(None, min_length=1, description=(
+        "chat messages, rendered as /v1/chat/completions renders them"))
+    tools: list[dict[str, Any]] | None = Field(None, description="the chat's tools, rendered into its prompt")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="the chat template's own arguments, as "
+                                                        "/v1/chat/completions takes them")
+    add_special_tokens: bool | None = Field(None, description=(
+        "a prompt: start with the BOS token (default true); chat messages: the template's own tokens only"))
+    add_generation_prompt: bool = Field(True, description="end the chat with the assistant's turn opening")
+    continue_final_message: bool = Field(False, description="not supported: must be false")
+    return_token_strs: bool = Field(False, description="also return each token's vocabulary entry")
+
+    def input(self) -> tuple[str, Any]:
+        """(the field given, its value): exactly one of prompt and messages; chat options it cannot honour refused."""
+        if (self.prompt is None) == (self.messages is None):
+            raise SamplingParamsError("give one of prompt and messages", "prompt" if self.messages is None else
+                                      "messages")
+        if self.prompt is not None:
+            return "prompt", self.prompt
+        for name, value, wanted in (("add_generation_prompt", self.add_generation_prompt, True),
+                                    ("continue_final_message", self.continue_final_message, False)):
+            if value != wanted:
+                raise SamplingParamsError(f"{name}={str(value).lower()} is not supported (the chat routes always "
+                                          "open the assistant's turn)", name)
+        if any(isinstance(m.content, list) and any(isinstance(p, ImageUrlPart) for p in m.content)
+               for m in self.messages):
+            raise SamplingParamsError("image parts are not tokenized here; a chat completion's usage counts an "
+                                      "image's tokens", "messages")
+        return "messages", chat_messages(self.messages)
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's POST /detokenize: token ids -> their text (special tokens spelled out)."""
+
+    model: Text | None = Field(None, description="the served model's id; may be omitted")
+    tokens: list[int] = Field(description="token ids of this model's vocabulary")

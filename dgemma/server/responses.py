@@ -103,6 +103,41 @@ class Health(BaseModel):
     status: Literal["ok"]
 
 
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class Load(BaseModel):
+    load: int
+    num_reqs: int
+    num_waiting_reqs: int
+    num_tokens: int
+
+
+class ServerInfo(BaseModel):
+    model_path: str
+    served_model_name: str
+    tp_size: int
+    dp_size: int
+    version: str
+    max_concurrency: int
+    context_length: int | None
+
+
+class ModelInfo(BaseModel):
+    model_path: str
+    tokenizer_path: str | None
+    is_generation: bool
+    model_type: str
+
+
 class ErrorBody(BaseModel):
     message: str
     type: str

@@ -44,6 +44,7 @@ class Service:
         self.state = "loading"  # loading -> ready -> draining; or failed
         self.failure: str | None = None
         self.in_use = 0  # admitted choices (running + queued)
+        self.tokens_in_use = 0  # their prompt tokens + max_tokens: the load a router reads at /get_load
         self._tokenizing = asyncio.Semaphore(config.tokenizer_threads)
         self._imaging = asyncio.Semaphore(config.image_threads)  # image requests wait here, not for text threads
         self._image_pool = ThreadPoolExecutor(config.image_threads, "dgemma-image", initializer=_lower_priority)
@@ -121,6 +122,7 @@ class Service:
         timeout = _earliest(body.dgemma_timeout, self.config.request_timeout)
         try:
             plans, prompt_tokens = await self._within(timeout, t_arrival, self._plan(body, prompts, param, key))
+            lease.hold_tokens(prompt_tokens + sum(p.params.max_new_tokens for p in plans))
             return Generation(self, f"{id_prefix}-{uuid.uuid4().hex}", plans, prompt_tokens, body.dgemma_drafts,
                               lease, t_arrival, timeout, body.turn(), key)
         except BaseException:
@@ -138,7 +140,7 @@ class Service:
             raise ApiError(408, f"the request's deadline ({timeout:g} s) passed while its prompt was prepared",
                            "dgemma_timeout", code="deadline_exceeded") from None
 
-    async def _off_loop(self, fn: Callable, *args: Any, images: bool = False) -> Any:
+    async def off_loop(self, fn: Callable, *args: Any, images: bool = False) -> Any:
         """`fn(*args)` in a worker thread, at most --tokenizer-threads at once (`images`: in the image threads, at
         most --image-threads at once). A cancelled caller (client gone, deadline passed) stops waiting at once; its
         thread keeps its place until it ends, so the cap holds."""
@@ -172,7 +174,7 @@ class Service:
         for prompt in prompts:
             try:
                 # the loop never tokenizes (nor compiles a grammar, nor builds a layout): one hop does it all
-                ids, params = await self._off_loop(planning.prepare, self.model, self.config, body, prompt, limit,
+                ids, params = await self.off_loop(planning.prepare, self.model, self.config, body, prompt, limit,
                                                    part, images=has_parts(prompt))
                 plans += [Plan(ids, p) for p in params]
             except SamplingParamsError as e:  # a field is named as the client named it
@@ -212,8 +214,13 @@ class Lease:
     """Admitted capacity of one request, given back exactly once."""
 
     def __init__(self, service: Service, n: int):
-        self.service, self.n = service, n
+        self.service, self.n, self.tokens = service, n, 0
+
+    def hold_tokens(self, tokens: int) -> None:
+        self.service.tokens_in_use += tokens
+        self.tokens += tokens
 
     def release(self) -> None:
         self.service.in_use -= self.n
-        self.n = 0
+        self.service.tokens_in_use -= self.tokens
+        self.n = self.tokens = 0
