@@ -130,3 +130,23 @@ def test_shapes_that_do_not_split_are_refused():
 def test_a_size_without_as_many_processes_is_refused():
     with pytest.raises(ConfigError, match="needs 2 processes, this run has 1"):
         parallel.join(2, torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_the_command_starts_its_ranks_and_prints_once():
+    """`dgemma generate -tp 2` outside torchrun starts 2 ranks; rank 0 alone prints, the ids one process gives."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    flags = ["generate", "--prompt-ids", ",".join(map(str, PROMPT)), "--dtype", "float32", "--seed", "5",
+             "--max-new-tokens", "32", "--json"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-m", "dgemma", *flags, "-tp", "2"], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = proc.stdout.splitlines()
+    single = dgemma.load(dtype="float32").generate(PROMPT, max_new_tokens=32, seed=5)
+    assert json.loads(line)["token_ids"] == single.token_ids
