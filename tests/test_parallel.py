@@ -27,6 +27,7 @@ TINY = ModelConfig(TextConfig(
     per_layer={2: {"head_dim": 32, "num_key_value_heads": 1}}, sliding_window=8, num_experts=4, top_k_experts=2,
     moe_intermediate_size=32, max_position_embeddings=512), canvas_length=8)
 PROMPT = [2, 651, 1024, 77, 900, 12, 3000, 45]
+COMMAND_TOKENS = 32  # one canvas of the demo model
 
 
 def passes(model: DiffusionGemma) -> list[torch.Tensor]:
@@ -50,11 +51,16 @@ def _rank(rank: int, port: int, tiny: str, out: str) -> None:
             tp = dgemma.load(tiny, dtype="float32", quantize=quantize, tensor_parallel_size=WORLD).module
             results[quantize] = {"diff": max((a - b).abs().max().item() for a, b in zip(passes(one), passes(tp))),
                                  "one": parallel.weight_bytes(one), "rank": parallel.weight_bytes(tp)}
-    kwargs = dict(max_new_tokens=48, seed=0)
-    single = dgemma.load(dtype="float32").generate(PROMPT, **kwargs)
+    kwargs = dict(max_new_tokens=COMMAND_TOKENS, seed=0)
+    single_model = dgemma.load(dtype="float32")
+    single = single_model.generate(PROMPT, **kwargs)
     demo = dgemma.load(dtype="float32", tensor_parallel_size=WORLD)
     results["ids"] = (single.token_ids, demo.generate(PROMPT, **kwargs).token_ids)
     results["unseeded"] = demo.generate(PROMPT, max_new_tokens=16).token_ids
+    for mode, sampling in (("autoregressive", "fast"), ("diffusion", "reference")):
+        kwargs = dict(max_new_tokens=8, seed=1, mode=mode, sampling=sampling)
+        results[mode, sampling] = (single_model.generate(PROMPT, **kwargs).token_ids,
+                                   demo.generate(PROMPT, **kwargs).token_ids)
     for name, options in (("timed", {"target_canvas_ms": 50.0}), ("speculative", {"mode": "speculative"})):
         try:
             demo.generate(PROMPT, max_new_tokens=4, **options)
@@ -115,6 +121,13 @@ def test_generated_ids_match_one_process(ranks):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", [("autoregressive", "fast"), ("diffusion", "reference")])
+def test_other_decodings_match_one_process(ranks, mode):
+    single, tp = ranks[0][mode]
+    assert tp == single and len(single) > 4
+
+
+@pytest.mark.slow
 def test_wall_time_decisions_are_refused(ranks):
     assert "target_canvas_ms" in ranks[0]["timed"] and "speculative" in ranks[0]["speculative"]
 
@@ -133,20 +146,19 @@ def test_a_size_without_as_many_processes_is_refused():
 
 
 @pytest.mark.slow
-def test_the_command_starts_its_ranks_and_prints_once():
+def test_the_command_starts_its_ranks_and_prints_once(ranks):
     """`dgemma generate -tp 2` outside torchrun starts 2 ranks; rank 0 alone prints, the ids one process gives."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    flags = ["generate", "--prompt-ids", ",".join(map(str, PROMPT)), "--dtype", "float32", "--seed", "5",
-             "--max-new-tokens", "32", "--json"]
+    flags = ["generate", "--prompt-ids", ",".join(map(str, PROMPT)), "--dtype", "float32", "--seed", "0",
+             "--max-new-tokens", str(COMMAND_TOKENS), "--json"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run([sys.executable, "-m", "dgemma", *flags, "-tp", "2"], capture_output=True, text=True,
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = proc.stdout.splitlines()
-    single = dgemma.load(dtype="float32").generate(PROMPT, max_new_tokens=32, seed=5)
-    assert json.loads(line)["token_ids"] == single.token_ids
+    assert json.loads(line)["token_ids"] == ranks[0]["ids"][0]  # one process's
