@@ -162,3 +162,34 @@ def test_the_command_starts_its_ranks_and_prints_once(ranks):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = proc.stdout.splitlines()
     assert json.loads(line)["token_ids"] == ranks[0]["ids"][0]  # one process's
+
+
+def _formats(w: torch.Tensor) -> list:
+    from dgemma.quant import quantize_tensor
+    from dgemma.quant.fp import FP8Weight, nvfp4_weight
+
+    codes = w.to(torch.float8_e4m3fn)
+    return [quantize_tensor(w, 8), quantize_tensor(w, 4), FP8Weight(codes, torch.rand(*w.shape[:-1], 1), w.dtype),
+            FP8Weight(codes, torch.rand(*w.shape[:-1], w.shape[-1] // 32), w.dtype),
+            nvfp4_weight(lambda lo, hi: w[lo:hi], tuple(w.shape), w.dtype, w.device)]
+
+
+@pytest.mark.parametrize("dims", [(-2, 8, 24), (-1, 32, 96), (0, 1, 3)])
+def test_quantized_weights_shard_as_their_float_weights(dims):
+    """Rows, columns at group boundaries and experts of every format decode to that part of the whole weight."""
+    from dgemma.parallel.shard import _quantized
+
+    dim, lo, hi = dims
+    for q in _formats(torch.randn(4, 32, 128)):
+        part = _quantized(q, dim, lo, hi)
+        assert torch.equal(part.dequantize(), q.dequantize().narrow(dim, lo, hi - lo)), q.format
+
+
+def test_a_cut_inside_a_quantization_group_is_refused():
+    from dgemma.parallel.shard import _quantized
+
+    _, int4, per_channel, _, _ = _formats(torch.randn(32, 128))
+    with pytest.raises(ConfigError, match="cut its groups of 32"):
+        _quantized(int4, -1, 16, 80)
+    part = _quantized(per_channel, -1, 16, 80)  # one scale a row: any cut
+    assert torch.equal(part.dequantize(), per_channel.dequantize()[:, 16:80])
