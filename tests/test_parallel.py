@@ -193,3 +193,26 @@ def test_a_cut_inside_a_quantization_group_is_refused():
         _quantized(int4, -1, 16, 80)
     part = _quantized(per_channel, -1, 16, 80)  # one scale a row: any cut
     assert torch.equal(part.dequantize(), per_channel.dequantize()[:, 16:80])
+
+
+def test_expert_shards_sum_to_the_whole_layer(monkeypatch):
+    """Each rank's experts give their rows' part, zero where none of its experts was chosen (here rank 1, with
+    every row routed to experts 0 and 1); the parts sum to the one-process layer (the all-reduce, stubbed)."""
+    import copy
+
+    from dgemma.model import moe
+    from dgemma.parallel.shard import _experts
+
+    monkeypatch.setattr(moe, "all_reduce", lambda x, group: x)
+    torch.manual_seed(0)
+    layer = moe.Experts(TINY.text)
+    torch.nn.init.normal_(layer.gate_up_proj, std=0.1), torch.nn.init.normal_(layer.down_proj, std=0.1)
+    x, weights = torch.randn(5, 64), torch.rand(5, 2)
+    for ids in (torch.randint(0, 4, (5, 2)), torch.tensor([[0, 1]] * 5)):
+        parts = []
+        for rank in range(WORLD):
+            mine = copy.deepcopy(layer)
+            _experts(mine, parallel.Group(rank, WORLD, pg="stub"))
+            parts.append(mine(x, weights, ids))
+        torch.testing.assert_close(parts[0] + parts[1], layer(x, weights, ids), rtol=1e-5, atol=1e-6)
+    assert not parts[1].any()

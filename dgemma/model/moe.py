@@ -53,8 +53,8 @@ def _padded_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Te
     expert = torch.searchsorted(ends, rows, right=True)
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     slot = expert * r + rows - starts[expert]
-    blocks = x.new_zeros(e * r, x.shape[1]).index_copy_(0, slot, x).view(e, r, -1)
-    return torch.bmm(blocks, w.transpose(1, 2)).view(e * r, -1)[slot]
+    blocks = x.new_zeros(e * r, x.shape[1]).index_copy_(0, slot, x).view(e, r, x.shape[1])  # r may be 0 (a rank
+    return torch.bmm(blocks, w.transpose(1, 2)).view(e * r, w.shape[1])[slot]  # whose experts got no rows)
 
 
 def _grouped(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
