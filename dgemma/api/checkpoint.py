@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
+from dgemma import parallel
 from dgemma.dtypes import native_bf16, parse_dtype
 from dgemma.errors import DgemmaError
 from dgemma.jsonfile import read_json
-from dgemma import parallel
 from dgemma.quant import a8, int4cpu, parse_quantize
 from dgemma.sampling.fused import vocab_chunk
 from dgemma.tokenizer import Tokenizer
