@@ -4,9 +4,12 @@ for the benchmark shape and the real model's shape (2 of its 30 layers), diffusi
 Models are built in memory on the device with random bf16 weights (no files, no downloads), so the whole run
 fits in a few minutes on one GPU. Denoising runs a fixed number of steps per canvas (random weights never
 converge); host reads are counted in dgemma's own code (each is a device-to-host synchronisation).
-`--device cpu --tiny` runs the same script on small shapes (a smoke test).
+`--device cpu --tiny` runs the same script on small shapes (a smoke test). Tensor parallel: under
+`torchrun --nproc-per-node N ... --tensor-parallel N` every rank builds the same weights, keeps its shard
+(dgemma.parallel, NCCL on GPUs, gloo on CPUs) and runs the same requests; rank 0 reports (with its weight bytes).
 
     python benchmarks/gpu.py [--device cuda] [--batch 1,8] [--steps 16] [--max-new-tokens 512] [--tiny]
+    torchrun --nproc-per-node 2 benchmarks/gpu.py --tensor-parallel 2 [...]
 
 Last stdout line: JSON {device, runs: [{shape, batch, mode, tokens_per_second, seconds_per_step,
 host_reads_per_step, peak_memory_bytes, ...}]}.
@@ -26,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from build_bench_checkpoint import randomise  # noqa: E402
+from dgemma import parallel  # noqa: E402
 from dgemma.config import FULL, SLIDING, ModelConfig, TextConfig  # noqa: E402
 from dgemma.dtypes import NAMES, parse_dtype  # noqa: E402
 from dgemma.engine import AutoregressiveEngine, Engine  # noqa: E402
@@ -109,17 +113,22 @@ def run_autoregressive(model: DiffusionGemma, max_new: int) -> dict:
             "seconds_per_step": seconds / len(req.output), "tokens": len(req.output)}
 
 
-def measure(name: str, args: argparse.Namespace, device: torch.device) -> list[dict]:
+def measure(name: str, args: argparse.Namespace, device: torch.device, group: parallel.Group | None) -> list[dict]:
     model = build(shape(name, args.tiny), device, parse_dtype(args.dtype))
+    if group is not None:
+        parallel.shard(model, group)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the other ranks' parts, freed
+    tp = {"tensor_parallel": args.tensor_parallel, "weight_bytes": parallel.weight_bytes(model)}
     runs = []
     run_diffusion(model, 1, args.steps, model.cfg.canvas_length)  # warm-up: kernels chosen, caches allocated
     for batch in args.batch:
         _reset_peak(device)
         out = run_diffusion(model, batch, args.steps, args.max_new_tokens)
-        runs.append({"shape": name, "batch": batch, **out, "peak_memory_bytes": _peak(device)})
+        runs.append({"shape": name, "batch": batch, **out, **tp, "peak_memory_bytes": _peak(device)})
     _reset_peak(device)
     out = run_autoregressive(model, args.ar_tokens)
-    runs.append({"shape": name, "batch": 1, **out, "peak_memory_bytes": _peak(device)})
+    runs.append({"shape": name, "batch": 1, **out, **tp, "peak_memory_bytes": _peak(device)})
     del model
     return runs
 
@@ -143,12 +152,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="bench,real")
     p.add_argument("--dtype", default="bfloat16", choices=NAMES)
     p.add_argument("--tiny", action="store_true", help="small shapes, for a CPU smoke test")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="under torchrun --nproc-per-node N: shard the model over the N ranks")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device", "torch": torch.__version__}))
         return 0
-    runs = [r for name in args.shapes.split(",") for r in measure(name, args, device)]
+    group = None
+    if args.tensor_parallel > 1:
+        group, device = parallel.join(args.tensor_parallel, device)
+    runs = [r for name in args.shapes.split(",") for r in measure(name, args, device, group)]
+    if group is not None:
+        parallel.leave()
+        if group.rank:
+            return 0
     for r in runs:
         print(f"{r['shape']:>5} {r['mode']:>14} batch {r['batch']:>2}: {r['tokens_per_second']:8.1f} tok/s, "
               f"{(r['seconds_per_step'] or 0) * 1e3:7.2f} ms/step", file=sys.stderr)

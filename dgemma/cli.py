@@ -5,21 +5,41 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 from collections.abc import Iterator
 
 from dgemma.errors import DgemmaError, SamplingParamsError
 from dgemma.image_limits import add_image_options, limits_from_args
-from dgemma.options import (OPTIONS, SAMPLINGS, add_mode_option, add_model_options, add_threads_option, apply_threads,
-                            check_modes)
+from dgemma.options import (OPTIONS, SAMPLINGS, add_mode_option, add_model_options, add_parallel_option,
+                            add_threads_option, apply_threads, check_modes)
 
 
 def load_model_from_args(args: argparse.Namespace):
     from dgemma.api import load_model_from_args as load  # torch: only once a command runs, so --help stays fast
 
     apply_threads(args)
-    return load(args)
+    model = load(args)
+    if model.module.parallel is not None:
+        import atexit
+
+        from dgemma.parallel import leave
+
+        atexit.register(leave)
+        if model.module.parallel.rank:  # rank 0 prints; the others run the same steps
+            sys.stdout = open(os.devnull, "w")
+    return model
+
+
+def launch_ranks(n: int, argv: list[str]) -> int:
+    """`dgemma ... -tp N` outside torchrun: the same command in N processes under torchrun, on this machine."""
+    import subprocess
+
+    threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+               "-m", "dgemma", *argv]
+    return subprocess.run(command, env=threads | os.environ).returncode
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -39,6 +59,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompt_ids is None):
         raise DgemmaError("give a PROMPT or --prompt-ids, not both and not neither")
     _check_mode_options(args)
+    if args.prompt == "-" and args.tensor_parallel_size > 1:
+        raise DgemmaError("standard input reaches one rank only: give the prompt as an argument with "
+                          "--tensor-parallel-size")
     text = sys.stdin.read().removesuffix("\n") if args.prompt == "-" else args.prompt  # -: a pipe's text
     prompt = text if args.prompt_ids is None else _parse_ids(args.prompt_ids)
     if args.image and not isinstance(prompt, str):
@@ -169,6 +192,7 @@ def _add_generate(sub) -> None:
     p.add_argument("prompt", nargs="?", help="prompt text (- reads it from standard input)")
     p.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 2,651,1024")
     add_model_options(p)
+    add_parallel_option(p)
     add_threads_option(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat template")
     p.add_argument("--image", action="append", default=[], metavar="FILE",
@@ -280,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    if getattr(args, "tensor_parallel_size", 1) > 1 and "WORLD_SIZE" not in os.environ:
+        return launch_ranks(args.tensor_parallel_size, sys.argv[1:] if argv is None else argv)
     try:
         return args.fn(args)
     except DgemmaError as e:
@@ -291,7 +317,5 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # output piped into e.g. `head`, which stopped reading
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141

@@ -70,6 +70,12 @@ def add_threads_option(p: argparse.ArgumentParser) -> None:
                         "work, fewer threads than cores is often several times faster)")
 
 
+def add_parallel_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-tp", "--tensor-parallel-size", type=_positive_int, default=1, metavar="N",
+                   help="shard the model over N processes, one a GPU (NCCL) or CPU processes (gloo); dgemma starts "
+                        "them with torchrun, or run it under `torchrun --nproc-per-node N -m dgemma` (default 1)")
+
+
 def apply_threads(args: argparse.Namespace) -> None:
     """--threads, once a command runs (torch imported only then)."""
     if getattr(args, "threads", None):

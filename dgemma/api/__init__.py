@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from dgemma import images
+from dgemma import images, parallel
 from dgemma.api import running
 from dgemma.api.checkpoint import DEMO_MODEL, open_checkpoint
 from dgemma.api.prompts import Prompt, PromptEncoder
@@ -31,21 +31,24 @@ LAYOUT_OPTIONS = ("suffix", "template", "edit", "renoise")  # the layout options
 
 def load(path_or_repo: str | Path | None = None, dtype: str | torch.dtype = "auto",
          device: str | torch.device = "cpu", compile: bool = False, quantize: str | None = None,
-         revision: str | None = None) -> Model:
+         revision: str | None = None, tensor_parallel_size: int = 1) -> Model:
     """Load a checkpoint directory, a Hugging Face repo id (downloaded unless cached; `revision`: a branch, tag or
     commit) or a GGUF file of llama.cpp's diffusion-gemma architecture (default: the bundled demo model).
     `compile`: run the denoising pass (the per-step body) through torch.compile; off, nothing changes.
     `quantize`: "int8" | "int4" (see `dgemma.quant.spec` for group sizes and the embedding): weight-only
     quantization while loading, tensor by tensor with plain file reads (not the memory map). A GGUF file keeps
     its quantized tensors compact without it (see `dgemma.weights.gguf_load`); with it, they are re-quantized to
-    that scheme."""
-    return Model(*open_checkpoint(path_or_repo, dtype, device, compile, quantize, revision))
+    that scheme.
+    `tensor_parallel_size`: N > 1 in each of the N processes torchrun started: every rank keeps its shard of the
+    model (`dgemma.parallel`) and must then make the same calls with the same arguments (seeds default to rank 0's)."""
+    return Model(*open_checkpoint(path_or_repo, dtype, device, compile, quantize, revision, tensor_parallel_size))
 
 
 def load_model_from_args(args) -> Model:
     """`load` with the options commands share (`options.add_model_options`)."""
     return load(args.model, dtype=args.dtype, device=args.device, compile=args.compile, quantize=args.quantize,
-                revision=getattr(args, "revision", None))
+                revision=getattr(args, "revision", None),
+                tensor_parallel_size=getattr(args, "tensor_parallel_size", None) or 1)
 
 
 class Model:
@@ -99,6 +102,8 @@ class Model:
         another decoding is refused (`options.check_modes`), not ignored."""
         if mode is not None:
             check_modes([k for k, v in options.items() if v is not None], mode, sampling)
+        if self.module.parallel is not None:  # every rank draws with rank 0's seed
+            options["seed"] = self.module.parallel.shared_seed(options.get("seed"))
         layout_options = {k: options.pop(k) for k in LAYOUT_OPTIONS if k in options}
         limit = min(self.max_context, options.pop("layout_limit", None) or self.max_context)
         if any(v is not None for v in layout_options.values()):
@@ -112,6 +117,8 @@ class Model:
         """Everything about a request that needs the model: the one validation path (SamplingParams)."""
         eos = params.eos_token_ids or ()
         params.check_decoding(mode, sampling, eos, self.tokenizer is not None)
+        if self.module.parallel is not None:
+            parallel.check_request(params, mode)
         params.validate(self.module.cfg.text.vocab_size, self.max_context, len(ids), limits, self.cache_bytes)
         if params.stop and self.tokenizer is None:
             raise SamplingParamsError("stop strings need a tokenizer; this checkpoint has none", "stop")

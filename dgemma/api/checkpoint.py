@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from dgemma import parallel
 from dgemma.dtypes import native_bf16, parse_dtype
 from dgemma.errors import DgemmaError
 from dgemma.jsonfile import read_json
@@ -35,21 +36,28 @@ def locate(path_or_repo: str | Path | None, revision: str | None = None) -> tupl
 
 
 def open_checkpoint(path_or_repo: str | Path | None, dtype: str | torch.dtype, device: str | torch.device,
-                    compile: bool, quantize: str | None,
-                    revision: str | None = None) -> tuple[torch.nn.Module, Tokenizer | None, Path, dict]:
+                    compile: bool, quantize: str | None, revision: str | None = None,
+                    tensor_parallel_size: int = 1) -> tuple[torch.nn.Module, Tokenizer | None, Path, dict]:
     """(the DiffusionGemma module, its tokenizer or None, the checkpoint directory or GGUF file, its generation
-    config) for `dgemma.load`, whose docstring says what each argument does."""
+    config) for `dgemma.load`, whose docstring says what each argument does. Under tensor parallelism the
+    checkpoint is read on the CPU, this rank's shard kept (`parallel.shard`) and only that moved to the device."""
     spec = parse_quantize(quantize)
     directory, gguf = locate(path_or_repo, revision)
     device = _device(device)
     _check_quantize(spec, device)
+    group = None
+    if tensor_parallel_size > 1:
+        group, device = parallel.join(tensor_parallel_size, device)
     stored = spec if spec is None or spec.requantizes else None
+    dtype, reader = _resolve_dtype(dtype, directory, device), torch.device("cpu") if group else device
     if gguf:
-        module, tokenizer, generation = load_gguf_model(directory, _resolve_dtype(dtype, directory, device), device,
-                                                        stored)
+        module, tokenizer, generation = load_gguf_model(directory, dtype, reader, stored)
     else:
-        module = load_model(directory, _resolve_dtype(dtype, directory, device), device, stored)
+        module = load_model(directory, dtype, reader, stored)
         tokenizer, generation = Tokenizer.maybe_load(directory), read_json(directory / "generation_config.json")
+    if group is not None:
+        parallel.shard(module, group)
+        module.to(device)
     if device.type == "cpu" and int4cpu.available():
         int4cpu.convert(module)
     if spec is not None and spec.int8_activations and not a8.enable(module, module.embed_tokens.weight,

@@ -99,6 +99,7 @@ class DiffusionGemma(nn.Module):
         self.lm_head = Head(self.embed_tokens, t.final_logit_softcapping, self.embed_scale)  # not a submodule
         self.vision = Vision(cfg.vision, t) if cfg.vision is not None else None
         self.soft_tokens = SoftTokens(t.vocab_size)  # images' features, addressed by ids past the vocabulary
+        self.parallel = None  # this rank's tensor-parallel group once dgemma/parallel sharded the model
 
     @property
     def dtype(self) -> torch.dtype:

@@ -24,10 +24,24 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a @ b
 
 
+def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum of x over a tensor-parallel process group, in place (x itself without one): the one collective the
+    model runs, after a row-parallel Linear and after the experts a rank holds (dgemma/parallel shards them)."""
+    if group is not None:
+        torch.distributed.all_reduce(x, group=group)
+    return x
+
+
 class Linear(nn.Linear):
-    """nn.Linear whose weight may be a `QuantizedWeight` (assigned over the parameter by the loader)."""
+    """nn.Linear whose weight may be a `QuantizedWeight` (assigned over the parameter by the loader). `group`: set on
+    a row-parallel shard (this rank holds some input columns), whose partial products are summed over the group."""
+
+    group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self._product(x), self.group)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, QuantizedWeight):
             return self.weight.linear(x)
         dtype = gemm_dtype(self.weight)

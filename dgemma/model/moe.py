@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from dgemma.config import TextConfig
-from dgemma.model.layers import Linear, RMSNorm, gelu_tanh, gemm_dtype
+from dgemma.model.layers import Linear, RMSNorm, all_reduce, gelu_tanh, gemm_dtype
 from dgemma.quant import QuantizedWeight, compute_dtype
 from dgemma.quant.base import workspace
 
@@ -53,8 +53,8 @@ def _padded_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Te
     expert = torch.searchsorted(ends, rows, right=True)
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     slot = expert * r + rows - starts[expert]
-    blocks = x.new_zeros(e * r, x.shape[1]).index_copy_(0, slot, x).view(e, r, -1)
-    return torch.bmm(blocks, w.transpose(1, 2)).view(e * r, -1)[slot]
+    blocks = x.new_zeros(e * r, x.shape[1]).index_copy_(0, slot, x).view(e, r, x.shape[1])  # r may be 0 (a rank
+    return torch.bmm(blocks, w.transpose(1, 2)).view(e * r, w.shape[1])[slot]  # whose experts got no rows)
 
 
 def _grouped(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -110,7 +110,13 @@ def _quantized_matmul(x: torch.Tensor, w: QuantizedWeight, ends: torch.Tensor) -
 
 
 class Experts(nn.Module):
-    """gate_up_proj [E, 2I, H], down_proj [E, H, I]; all routed rows go through one grouped GEMM per projection."""
+    """gate_up_proj [E, 2I, H], down_proj [E, H, I]; all routed rows go through one grouped GEMM per projection.
+
+    Expert parallel (dgemma/parallel): a rank holds experts first..first+E of the router's and `group` is set; it
+    runs only the rows routed to them and the ranks' partial outputs are summed by one all-reduce."""
+
+    first = 0
+    group = None
 
     def __init__(self, cfg: TextConfig):
         super().__init__()
@@ -123,8 +129,13 @@ class Experts(nn.Module):
         scattered back by inverse permutation and summed over the k choices (index_add_ is slow on CPU)."""
         t, k = ids.shape
         experts, order = torch.sort(ids.flatten(), stable=True)
-        ends = torch.searchsorted(experts, torch.arange(self.down_proj.shape[0], device=ids.device), right=True)
+        owned = torch.arange(self.first, self.first + self.down_proj.shape[0], device=ids.device)
+        ends = torch.searchsorted(experts, owned, right=True)
+        if self.group is not None:  # only the sorted rows of this rank's experts (one host read)
+            lo, hi = torch.cat([torch.searchsorted(experts, owned[:1]), ends[-1:]]).tolist()
+            order, ends = order[lo:hi], ends - lo
         gate, up = expert_matmul(x[order // k], self.gate_up_proj, ends).chunk(2, dim=-1)
         y = expert_matmul(gelu_tanh(gate) * up, self.down_proj, ends) * weights.flatten()[order, None]
-        unsorted = torch.empty_like(y).index_copy_(0, order, y)
-        return unsorted.view(t, k, -1).sum(1).to(x.dtype)
+        out = y.new_zeros(t * k, y.shape[1]) if self.group is not None else torch.empty_like(y)
+        unsorted = out.index_copy_(0, order, y)
+        return all_reduce(unsorted.view(t, k, -1).sum(1).to(x.dtype), self.group)

@@ -18,12 +18,12 @@ across the ranks.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from dgemma.errors import ConfigError
+from dgemma.parallel.group import launch_environment, resolve_backend
 
 @dataclass(frozen=True)
 class Parallel:
@@ -57,18 +57,6 @@ class Parallel:
             import torch.distributed as dist
 
             dist.barrier()
-
-
-def launch_environment() -> tuple[int, int, int]:
-    """(rank, world size, local rank) as torchrun (or any env:// launcher) sets them; (0, 1, 0) without one."""
-    try:
-        return tuple(int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
-    except ValueError:
-        raise ConfigError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (set by torchrun)") from None
-
-
-def resolve_backend(backend: str, device_type: str) -> str:
-    return ("nccl" if device_type == "cuda" else "gloo") if backend == "auto" else backend
 
 
 def check(cfg, world: int, local_rank: int) -> None:

@@ -1,0 +1,30 @@
+"""One model across devices: tensor parallelism (attention heads, MLP columns) and expert parallelism (MoE experts)
+through torch.distributed, every rank running the same engine loop on the same requests (SPMD).
+
+`group.py` joins torchrun's process group; `shard.py` cuts a loaded model in place; the model's own code holds the
+only collective of a pass (`model.layers.all_reduce`, after o_proj, down_proj and the experts). Decisions that
+depend on wall time would differ between ranks and are refused here (`check_request`).
+"""
+
+from __future__ import annotations
+
+from dgemma.errors import SamplingParamsError
+from dgemma.parallel.group import Group, join, leave
+from dgemma.parallel.shard import shard, weight_bytes
+
+__all__ = ["Group", "check_request", "join", "leave", "shard", "weight_bytes"]
+
+# Decoding that follows the clock: each rank would measure its own and choose differently.
+TIMED_MODES = ("speculative",)  # drafting is paced by measured rates (engine/speculative.py)
+TIMED_FIELDS = ("target_canvas_ms",)  # the steps a canvas gets follow the measured step time
+
+
+def check_request(params, mode: str) -> None:
+    """Refuse what would take the ranks out of lockstep."""
+    if mode in TIMED_MODES:
+        raise SamplingParamsError(f"mode {mode} is paced by wall time, which differs between ranks: not supported "
+                                  "under tensor parallelism", "mode")
+    for name in TIMED_FIELDS:
+        if getattr(params, name, None) is not None:
+            raise SamplingParamsError(f"{name} follows each rank's wall time: not supported under tensor "
+                                      "parallelism", name)

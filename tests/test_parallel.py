@@ -1,0 +1,218 @@
+"""Tensor and expert parallelism on 2 gloo ranks against one process (float32): encode / denoise logits of a tiny
+model with MoE, sliding and full attention and GQA (plain and quantized), generated ids of the bundled demo model
+at its defaults, seeds drawn by rank 0, per-rank weight bytes; and the one-line refusals."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import dgemma
+from dgemma import parallel
+from dgemma.config import FULL, SLIDING, ModelConfig, TextConfig
+from dgemma.errors import ConfigError, SamplingParamsError
+from dgemma.model import DiffusionGemma
+from dgemma.parallel.shard import check
+from dgemma.weights import save_model
+
+WORLD = 2
+# 4 query heads: sliding layers 2 KV heads (split, one a rank), the full layer 1 (kept whole on both ranks)
+TINY = ModelConfig(TextConfig(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, layer_types=(SLIDING, SLIDING, FULL),
+    per_layer={2: {"head_dim": 32, "num_key_value_heads": 1}}, sliding_window=8, num_experts=4, top_k_experts=2,
+    moe_intermediate_size=32, max_position_embeddings=512), canvas_length=8)
+PROMPT = [2, 651, 1024, 77, 900, 12, 3000, 45]
+COMMAND_TOKENS = 32  # one canvas of the demo model
+
+
+def passes(model: DiffusionGemma) -> list[torch.Tensor]:
+    """Logits of a 12-token prompt (past the sliding window) and of two denoising steps, the second self-conditioned."""
+    g = torch.Generator().manual_seed(1)
+    ids, canvas = torch.randint(3, 256, (2, 12), generator=g), torch.randint(3, 256, (2, 8), generator=g)
+    cache = model.new_cache(2, 32)
+    encoded = model.head(model.encode(ids, cache))
+    first = model.head(model.denoise(canvas, cache))
+    return [encoded, first, model.head(model.denoise(canvas, cache, signal=model.soft_embed(first)))]
+
+
+def _rank(rank: int, port: int, tiny: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    results = {}
+    with torch.no_grad():
+        for quantize in (None, "int8", "nvfp4"):
+            one = dgemma.load(tiny, dtype="float32", quantize=quantize).module
+            tp = dgemma.load(tiny, dtype="float32", quantize=quantize, tensor_parallel_size=WORLD).module
+            results[quantize] = {"diff": max((a - b).abs().max().item() for a, b in zip(passes(one), passes(tp))),
+                                 "one": parallel.weight_bytes(one), "rank": parallel.weight_bytes(tp)}
+    kwargs = dict(max_new_tokens=COMMAND_TOKENS, seed=0)
+    single_model = dgemma.load(dtype="float32")
+    single = single_model.generate(PROMPT, **kwargs)
+    demo = dgemma.load(dtype="float32", tensor_parallel_size=WORLD)
+    results["ids"] = (single.token_ids, demo.generate(PROMPT, **kwargs).token_ids)
+    results["unseeded"] = demo.generate(PROMPT, max_new_tokens=16).token_ids
+    for mode, sampling in (("autoregressive", "fast"), ("diffusion", "reference")):
+        kwargs = dict(max_new_tokens=8, seed=1, mode=mode, sampling=sampling)
+        results[mode, sampling] = (single_model.generate(PROMPT, **kwargs).token_ids,
+                                   demo.generate(PROMPT, **kwargs).token_ids)
+    for name, options in (("timed", {"target_canvas_ms": 50.0}), ("speculative", {"mode": "speculative"})):
+        try:
+            demo.generate(PROMPT, max_new_tokens=4, **options)
+        except SamplingParamsError as e:
+            results[name] = str(e)
+    parallel.leave()
+    torch.save(results, os.path.join(out, f"{rank}.pt"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """What each of 2 gloo ranks measured (one process's numbers computed beside them, in the same rank)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from build_bench_checkpoint import randomise
+
+    tiny = tmp_path_factory.mktemp("tiny")
+    model = DiffusionGemma(TINY).eval()
+    randomise(model, 0)
+    save_model(model, tiny, dtype=torch.float32)
+    out = tmp_path_factory.mktemp("ranks")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_rank, args=(_free_port(), str(tiny), str(out)), nprocs=WORLD)
+    return [torch.load(out / f"{r}.pt") for r in range(WORLD)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantize", [None, "int8", "nvfp4"])
+def test_logits_match_one_process(ranks, quantize):
+    for r in ranks:
+        assert r[quantize]["diff"] < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantize", [None, "int8", "nvfp4"])
+def test_each_rank_holds_half_of_the_sharded_weights(ranks, quantize):
+    for r in ranks:
+        one, mine = r[quantize]["one"], r[quantize]["rank"]
+        assert mine["replicated"] == one["replicated"]
+        # the full layer's one KV head is on both ranks: a little over half
+        assert one["sharded"] / WORLD <= mine["sharded"] <= 0.55 * one["sharded"]
+
+
+@pytest.mark.slow
+def test_generated_ids_match_one_process(ranks):
+    for r in ranks:
+        single, tp = r["ids"]
+        assert tp == single and len(single) > 8
+    assert ranks[0]["unseeded"] == ranks[1]["unseeded"]  # rank 0's drawn seed on both
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [("autoregressive", "fast"), ("diffusion", "reference")])
+def test_other_decodings_match_one_process(ranks, mode):
+    single, tp = ranks[0][mode]
+    assert tp == single and len(single) > 4
+
+
+@pytest.mark.slow
+def test_wall_time_decisions_are_refused(ranks):
+    assert "target_canvas_ms" in ranks[0]["timed"] and "speculative" in ranks[0]["speculative"]
+
+
+def test_shapes_that_do_not_split_are_refused():
+    with pytest.raises(ConfigError, match="does not divide num_attention_heads=4"):
+        check(TINY.text, 3)
+    text = TextConfig(num_attention_heads=12, num_key_value_heads=3, head_dim=16)  # 6 heads a rank, groups of 4
+    with pytest.raises(ConfigError, match="query heads per rank neither hold"):
+        check(text, 2)
+
+
+def test_a_size_without_as_many_processes_is_refused():
+    with pytest.raises(ConfigError, match="needs 2 processes, this run has 1"):
+        parallel.join(2, torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_the_command_starts_its_ranks_and_prints_once(ranks):
+    """`dgemma generate -tp 2` outside torchrun starts 2 ranks; rank 0 alone prints, the ids one process gives."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    flags = ["generate", "--prompt-ids", ",".join(map(str, PROMPT)), "--dtype", "float32", "--seed", "0",
+             "--max-new-tokens", str(COMMAND_TOKENS), "--json"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-m", "dgemma", *flags, "-tp", "2"], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = proc.stdout.splitlines()
+    assert json.loads(line)["token_ids"] == ranks[0]["ids"][0]  # one process's
+
+
+def _formats(w: torch.Tensor) -> list:
+    from dgemma.quant import quantize_tensor
+    from dgemma.quant.fp import FP8Weight, nvfp4_weight
+
+    codes = w.to(torch.float8_e4m3fn)
+    return [quantize_tensor(w, 8), quantize_tensor(w, 4), FP8Weight(codes, torch.rand(*w.shape[:-1], 1), w.dtype),
+            FP8Weight(codes, torch.rand(*w.shape[:-1], w.shape[-1] // 32), w.dtype),
+            nvfp4_weight(lambda lo, hi: w[lo:hi], tuple(w.shape), w.dtype, w.device)]
+
+
+@pytest.mark.parametrize("dims", [(-2, 8, 24), (-1, 32, 96), (0, 1, 3)])
+def test_quantized_weights_shard_as_their_float_weights(dims):
+    """Rows, columns at group boundaries and experts of every format decode to that part of the whole weight."""
+    from dgemma.parallel.shard import _quantized
+
+    dim, lo, hi = dims
+    for q in _formats(torch.randn(4, 32, 128)):
+        part = _quantized(q, dim, lo, hi)
+        assert torch.equal(part.dequantize(), q.dequantize().narrow(dim, lo, hi - lo)), q.format
+
+
+def test_a_cut_inside_a_quantization_group_is_refused():
+    from dgemma.parallel.shard import _quantized
+
+    _, int4, per_channel, _, _ = _formats(torch.randn(32, 128))
+    with pytest.raises(ConfigError, match="cut its groups of 32"):
+        _quantized(int4, -1, 16, 80)
+    part = _quantized(per_channel, -1, 16, 80)  # one scale a row: any cut
+    assert torch.equal(part.dequantize(), per_channel.dequantize()[:, 16:80])
+
+
+def test_expert_shards_sum_to_the_whole_layer(monkeypatch):
+    """Each rank's experts give their rows' part, zero where none of its experts was chosen (here rank 1, with
+    every row routed to experts 0 and 1); the parts sum to the one-process layer (the all-reduce, stubbed)."""
+    import copy
+
+    from dgemma.model import moe
+    from dgemma.parallel.shard import _experts
+
+    monkeypatch.setattr(moe, "all_reduce", lambda x, group: x)
+    torch.manual_seed(0)
+    layer = moe.Experts(TINY.text)
+    torch.nn.init.normal_(layer.gate_up_proj, std=0.1), torch.nn.init.normal_(layer.down_proj, std=0.1)
+    x, weights = torch.randn(5, 64), torch.rand(5, 2)
+    for ids in (torch.randint(0, 4, (5, 2)), torch.tensor([[0, 1]] * 5)):
+        parts = []
+        for rank in range(WORLD):
+            mine = copy.deepcopy(layer)
+            _experts(mine, parallel.Group(rank, WORLD, pg="stub"))
+            parts.append(mine(x, weights, ids))
+        torch.testing.assert_close(parts[0] + parts[1], layer(x, weights, ids), rtol=1e-5, atol=1e-6)
+    assert not parts[1].any()
