@@ -34,12 +34,16 @@ def load_model_from_args(args: argparse.Namespace):
 
 def launch_ranks(n: int, argv: list[str]) -> int:
     """`dgemma ... -tp N` outside torchrun: the same command in N processes under torchrun, on this machine."""
+    import signal
     import subprocess
 
     threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
                "-m", "dgemma", *argv]
-    return subprocess.run(command, env=threads | os.environ).returncode
+    child = subprocess.Popen(command, env=threads | os.environ)
+    for s in (signal.SIGTERM, signal.SIGINT):  # passed on: torchrun hands it to the ranks (serve drains)
+        signal.signal(s, lambda sig, _: child.send_signal(sig))
+    return child.wait()
 
 
 def cmd_info(args: argparse.Namespace) -> int:

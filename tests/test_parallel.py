@@ -216,3 +216,63 @@ def test_expert_shards_sum_to_the_whole_layer(monkeypatch):
             parts.append(mine(x, weights, ids))
         torch.testing.assert_close(parts[0] + parts[1], layer(x, weights, ids), rtol=1e-5, atol=1e-6)
     assert not parts[1].any()
+
+
+@pytest.mark.slow
+def test_serve_under_tensor_parallelism(tmp_path):
+    """`dgemma serve -tp 2`: rank 0 serves, rank 1 follows its engine; concurrent requests (streamed and whole,
+    batched together) give one process's text for each seed; SIGTERM drains an in-flight request, then every rank
+    exits."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    port = _free_port()
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    log = open(tmp_path / "serve.log", "w")
+    launcher = subprocess.Popen([sys.executable, "-m", "dgemma", "serve", "-tp", "2", "--dtype", "float32", "--port",
+                                 str(port), "--shutdown-timeout", "60"], env=env, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while not _ready(url):
+            assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(1)
+
+        def ask(seed: int, stream: bool, tokens: int = 16) -> str:
+            body = {"prompt": [*PROMPT[:4], 77 + seed], "max_tokens": tokens, "seed": seed, "stream": stream}
+            if not stream:
+                return httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+            return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda s: ask(s, s % 2 == 1), range(4)))
+        one = dgemma.load(dtype="float32")
+        assert got == [one.generate([*PROMPT[:4], 77 + s], max_new_tokens=16, seed=s).text for s in range(4)]
+        with ThreadPoolExecutor(1) as pool:
+            late = pool.submit(ask, 9, False, 96)
+            time.sleep(1.0)
+            launcher.send_signal(signal.SIGTERM)
+            assert late.result() == one.generate([*PROMPT[:4], 86], max_new_tokens=96, seed=9).text
+        launcher.wait(timeout=90)
+        assert subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True).stdout == b""
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        subprocess.run(["pkill", "-f", f"--port {port}"])
+
+
+def _ready(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from dgemma.errors import DgemmaError
-from dgemma.options import add_model_options, add_threads_option, apply_threads
+from dgemma.options import add_model_options, add_parallel_option, add_threads_option, apply_threads
 from dgemma.server.config import KEY_ENV, METRICS_KEY_ENV, ServerConfig
 
 log = logging.getLogger("dgemma.server")
@@ -36,6 +36,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     """One server's flags (`add_arguments` adds the launcher's: --replicas, --router, --router-policy, ...)."""
     add_model_options(p)
     add_threads_option(p)
+    add_parallel_option(p)
     ServerConfig.add_flags(p)
 
 
@@ -61,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         add_worker_arguments(worker_flags)
         return replicas.run(args, worker_flags)
     apply_threads(args)
+    if args.tensor_parallel_size > 1 and int(os.environ.get("RANK", "0")) > 0:
+        return _follow(args, config)  # rank 0 serves; this rank makes its engine calls
     sock = _bind(config.host, config.port)
     failure: list[str] = []
     server = None
@@ -85,9 +88,36 @@ def run(args: argparse.Namespace) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
         sock.close()
+        if args.tensor_parallel_size > 1:
+            _leave()
     if failure:
         raise DgemmaError(failure[0])
     return 0
+
+
+def _follow(args: argparse.Namespace, config: ServerConfig) -> int:
+    """A rank > 0 of `dgemma serve -tp N`: load this rank's shard, then follow rank 0's engine until it stops."""
+    from dgemma.engine import PrefixCache
+    from dgemma.parallel.mirror import follow
+    from dgemma.server.service import engines
+
+    for s in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains and then tells this rank to stop
+        signal.signal(s, signal.SIG_IGN)
+    model = _load(args)
+    prefix_cache = PrefixCache(config.prefix_cache_mb << 20) if config.prefix_cache_mb else None
+    follow(engines(model, config, prefix_cache), model.module.parallel)
+    _leave()
+    return 0
+
+
+def _leave() -> None:
+    """The process group's end; a rank that is gone already ends it too."""
+    from dgemma.parallel import leave
+
+    try:
+        leave()
+    except Exception as e:  # a peer that exited first: gloo reports its closed connection
+        log.warning("tensor-parallel shutdown: %s", e)
 
 
 def _uvicorn_server(config, service):

@@ -19,6 +19,7 @@ from dgemma.api import Model
 from dgemma.engine import PrefixCache
 from dgemma.errors import DgemmaError
 from dgemma.images import has_parts
+from dgemma.parallel.mirror import leading
 from dgemma.sampling import SamplingParamsError
 from dgemma.server import planning
 from dgemma.server.config import ServerConfig
@@ -62,8 +63,7 @@ class Service:
                 raise DgemmaError(f"{model.directory}: the server needs a tokenizer (tokenizer.json)")
             model.image_limits = replace(self.config.images, local_files=False)  # a client's paths: never
             model.defaults = self.config.limits.clamp(model.defaults)  # defaults within the fairness caps
-            worker = Worker(lambda: model.runner(self.config.mode, "fast", self.config.max_concurrency,
-                                                 self.prefix_cache), self.metrics)
+            worker = Worker(engine_factory(model, self.config, self.prefix_cache), self.metrics)
             worker.start()
         except Exception as e:
             self.failure = str(e) if isinstance(e, DgemmaError) else f"{type(e).__name__}: {e}"
@@ -172,6 +172,8 @@ class Service:
         limit = self.model.prompt_limit(self.config.limits)
         part = planning.partition(key, body.cache_salt)
         for prompt in prompts:
+            if has_parts(prompt) and self.model.module.parallel is not None:
+                raise bad_request("images are not served under tensor parallelism yet", param)
             try:
                 # the loop never tokenizes (nor compiles a grammar, nor builds a layout): one hop does it all
                 ids, params = await self.off_loop(planning.prepare, self.model, self.config, body, prompt, limit,
@@ -224,3 +226,15 @@ class Lease:
         self.service.in_use -= self.n
         self.service.tokens_in_use -= self.tokens
         self.n = self.tokens = 0
+
+
+def engines(model: Model, config: ServerConfig, prefix_cache: PrefixCache | None) -> Callable[[], Any]:
+    """The server's engine for `model`, made anew after a failed step (every rank makes the same)."""
+    return lambda: model.runner(config.mode, "fast", config.max_concurrency, prefix_cache)
+
+
+def engine_factory(model: Model, config: ServerConfig, prefix_cache: PrefixCache | None) -> Callable[[], Any]:
+    """The worker's engines; under tensor parallelism rank 0's lead the other ranks' (`parallel.mirror`)."""
+    make, group = engines(model, config, prefix_cache), model.module.parallel
+    return make if group is None else leading(make, group)
+

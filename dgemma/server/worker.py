@@ -94,6 +94,9 @@ class Worker:
             log.exception("the engine thread died")
             self._fail_all("error", touch_engine=False)
             raise
+        finally:
+            if (close := getattr(self.engine, "close", None)) is not None:  # the other ranks' end (parallel.mirror)
+                close()
 
     def _serve_once(self) -> bool:
         idle = not self.engine.has_work()
