@@ -63,21 +63,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompt_ids is None):
         raise DgemmaError("give a PROMPT or --prompt-ids, not both and not neither")
     _check_mode_options(args)
-    if args.prompt == "-" and args.tensor_parallel_size > 1:
-        raise DgemmaError("standard input reaches one rank only: give the prompt as an argument with "
-                          "--tensor-parallel-size")
-    text = sys.stdin.read().removesuffix("\n") if args.prompt == "-" else args.prompt  # -: a pipe's text
-    prompt = text if args.prompt_ids is None else _parse_ids(args.prompt_ids)
-    if args.image and not isinstance(prompt, str):
+    if args.image and args.prompt_ids is not None:
         raise DgemmaError("--image goes with a PROMPT text, not --prompt-ids")
+    ids = None if args.prompt_ids is None else _parse_ids(args.prompt_ids)
+    limits = limits_from_args(args)
+    model = load_model_from_args(args)
+    model.image_limits = limits
+    text = _stdin(model).removesuffix("\n") if args.prompt == "-" else args.prompt  # -: a pipe's text
+    prompt = text if ids is None else ids
     if args.image:  # one user turn: the images, then the text
         prompt = [{"role": "user", "content": [*({"type": "image", "image": f} for f in args.image),
                                                {"type": "text", "text": prompt}]}]
     elif (args.chat or args.think) and isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
-    limits = limits_from_args(args)
-    model = load_model_from_args(args)
-    model.image_limits = limits
     options = _decoding(args) | {"grammar": _grammar(args)}
     if args.json:
         print(json.dumps(model.generate(prompt, **options).to_dict()))
@@ -104,7 +102,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if interactive:
         print("dgemma chat: a line is a turn; /reset forgets the conversation, /exit or Ctrl-D leaves, Ctrl-C stops "
               "an answer", file=sys.stderr)
-    for line in _lines("> " if interactive else ""):
+    for line in _shared(model, _lines("> " if interactive else "")):
         if line in ("/exit", "/quit"):
             break
         if line == "/reset":
@@ -120,6 +118,24 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         messages += [{"role": "user", "content": line}, {"role": "assistant", "content": result.text}]
     return 0
+
+
+def _stdin(model) -> str:
+    """Standard input's text; under tensor parallelism rank 0's, on every rank."""
+    group = model.module.parallel
+    if group is None:
+        return sys.stdin.read()
+    return group.from_rank0(sys.stdin.read() if group.rank == 0 else None)
+
+
+def _shared(model, lines: Iterator[str]) -> Iterator[str]:
+    """`lines` as rank 0 reads them, on every rank under tensor parallelism (the others read nothing)."""
+    group = model.module.parallel
+    if group is None:
+        yield from lines
+        return
+    while (line := group.from_rank0(next(lines, None) if group.rank == 0 else None)) is not None:
+        yield line
 
 
 def _lines(prompt: str) -> Iterator[str]:
@@ -221,6 +237,7 @@ def _add_chat(sub) -> None:
                                    "prefix cache). Reads lines from a pipe too.")
     add_model_options(p)
     add_threads_option(p)
+    add_parallel_option(p)
     p.add_argument("--system", help="a system message before the conversation")
     p.add_argument("--prefix-cache-mb", type=int, default=1024,
                    help="MiB of KV cache kept between turns (default 1024; 0: every turn encodes the whole "

@@ -164,6 +164,24 @@ def test_the_command_starts_its_ranks_and_prints_once(ranks):
     assert json.loads(line)["token_ids"] == ranks[0]["ids"][0]  # one process's
 
 
+@pytest.mark.slow
+def test_chat_reads_its_lines_on_rank_0_only():
+    """`dgemma chat -tp 2` from a pipe: rank 0 reads each line and hands it to rank 1; the conversation equals one
+    process's (the same answers, turn by turn)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    flags = ["chat", "--dtype", "float32", "--seed", "0", "--max-new-tokens", "12"]
+    lines = "Hello\nWho are you\n"
+    runs = [subprocess.run([sys.executable, "-m", "dgemma", *flags, *extra], input=lines, capture_output=True,
+                           text=True, env=env, timeout=300) for extra in ([], ["-tp", "2"])]
+    assert all(r.returncode == 0 for r in runs), runs[1].stderr[-3000:]
+    assert runs[1].stdout == runs[0].stdout and runs[0].stdout.count("\n") >= 2
+
+
 def _formats(w: torch.Tensor) -> list:
     from dgemma.quant import quantize_tensor
     from dgemma.quant.fp import FP8Weight, nvfp4_weight

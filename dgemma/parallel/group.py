@@ -32,6 +32,17 @@ class Group:
         return int(t.item())
 
 
+    def from_rank0(self, value):
+        """Rank 0's `value` on every rank (what only rank 0 reads: standard input); every rank calls this together."""
+        if self.pg is None:
+            return value
+        import torch.distributed as dist
+
+        box = [value if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.pg)
+        return box[0]
+
+
 def _device(pg) -> torch.device:
     import torch.distributed as dist
 
