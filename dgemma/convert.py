@@ -7,6 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
+from dgemma.options import add_threads_option, apply_threads
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="source checkpoint (default: the bundled demo model)")
@@ -14,6 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="int4, int8 (group-wise symmetric, 32 columns per scale; int4:128 sets the group, "
                         "int4+emb8 / +embfp keep the embedding in int8 / float) or nvfp4 (embedding in float)")
     p.add_argument("--out", required=True, help="output directory (must not exist, or be empty)")
+    add_threads_option(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from dgemma.weights.compressed import save_compressed
     from dgemma.weights.hf import load_model, resolve_checkpoint
 
+    apply_threads(args)
     spec = parse_quantize(args.to)
     if spec.int8_activations:
         raise DgemmaError(f"--to {args.to}: +a8 (int8 activations) is chosen when loading, not stored; use --to "

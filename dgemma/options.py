@@ -65,9 +65,10 @@ def check_modes(given: Iterable[str], mode: str, sampling: str = "fast") -> None
 
 
 def add_threads_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=_positive_int, default=None,
-                   help="torch CPU threads (default: torch's choice, one per core; on a machine busy with other "
-                        "work, fewer threads than cores is often several times faster)")
+    """The one --threads of every command that runs the model (`apply_threads` sets it once the command runs)."""
+    p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                   help="torch CPU threads (default: torch's, one per physical core; on a machine busy with other "
+                        "work, fewer threads than cores, e.g. 1 on 2 cores, is often several times faster)")
 
 
 def apply_threads(args: argparse.Namespace) -> None:

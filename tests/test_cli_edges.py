@@ -46,3 +46,30 @@ def test_written_weights_are_readable_like_every_other_file(tmp_path):
         os.umask(umask)
     for f in [out / "model.safetensors", *(tmp_path / "q").glob("*.safetensors")]:
         assert oct(os.stat(f).st_mode & 0o777) == oct(0o644), f
+
+
+@pytest.mark.parametrize("command", [["info"], ["generate", "x"], ["chat"], ["serve"], ["bench"], ["train"],
+                                     ["quantize", "--to", "int8", "--out", "o"]])
+def test_every_command_that_runs_the_model_takes_threads(command):
+    from dgemma.cli import build_parser
+
+    argv = [*command, "--threads", "3"]
+    assert build_parser(argv).parse_args(argv).threads == 3
+
+
+def test_threads_reach_the_trainer_and_quantize(tmp_path):
+    import torch
+
+    from dgemma.cli import build_parser
+    from dgemma.train.command import _config_values
+
+    argv = ["train", "--config", "configs/demo.json", "--threads", "1"]
+    assert _config_values(build_parser(argv).parse_args(argv))["threads"] == 1  # the file says 2: the flag wins
+    before = torch.get_num_threads()
+    try:
+        assert main(["quantize", "--to", "int8", "--out", str(tmp_path / "q"), "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(SystemExit):  # a user mistake: argparse's one line, exit 2
+        build_parser(["info"]).parse_args(["info", "--threads", "0"])

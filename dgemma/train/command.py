@@ -11,6 +11,7 @@ from pathlib import Path
 
 from dgemma.errors import DgemmaError
 from dgemma.jsonfile import read_json
+from dgemma.options import add_threads_option, apply_threads
 
 # flag -> (TrainConfig field, type, help); booleans are handled apart
 _FLAGS = {
@@ -41,7 +42,6 @@ _FLAGS = {
     "--save-dtype": ("save_dtype", str, "float32 | bfloat16 for the exported checkpoint"),
     "--seed": ("seed", int, "seed of the initialisation, data order and noise"),
     "--device": ("device", str, "torch device (cpu, cuda)"),
-    "--threads": ("threads", int, "CPU threads (1 is fastest on a busy 2-core machine)"),
     "--quantize": ("quantize", str, "with --lora (QLoRA): quantize the frozen base while loading: int8 or int4; "
                    "with --merge-adapter: write the merged checkpoint quantized (int8, int4, nvfp4)"),
     "--parallel": ("parallel", str, "under torchrun: fsdp (shard weights, gradients and optimizer; default) or ddp "
@@ -55,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="checkpoint to fine-tune (directory or cached repo id)")
     for flag, (_, kind, help_) in _FLAGS.items():
         parser.add_argument(flag, type=kind, default=None, help=help_)
+    add_threads_option(parser)
     parser.add_argument("--lora", action="store_true", default=None, help="train a LoRA adapter instead of all weights")
     parser.add_argument("--activation-checkpointing", action="store_true", default=None,
                         help="rerun each layer in backward instead of keeping its activations (less memory)")
@@ -78,6 +79,8 @@ def _config_values(args: argparse.Namespace) -> dict:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             values[name] = value
+    if args.threads:  # the shared flag (options.add_threads_option); the trainer applies it
+        values["threads"] = args.threads
     if args.lora:
         values["lora"] = True
     if args.activation_checkpointing:
@@ -112,6 +115,7 @@ def run_merge(args: argparse.Namespace) -> int:
     from dgemma.weights.compressed import check_out, save_compressed
     from dgemma.weights.hf import load_model, read_config, resolve_checkpoint
 
+    apply_threads(args)
     adapter = Path(args.merge_adapter)
     base = args.model or _adapter_base(adapter)
     if not base:
