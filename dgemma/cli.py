@@ -19,7 +19,10 @@ def load_model_from_args(args: argparse.Namespace):
     from dgemma.api import load_model_from_args as load  # torch: only once a command runs, so --help stays fast
 
     apply_threads(args)
-    return load(args)
+    model = load(args)
+    if getattr(args, "speculative_pacing", None):
+        model.speculative_pacing = args.speculative_pacing
+    return model
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -124,6 +127,8 @@ def _check_mode_options(args: argparse.Namespace) -> None:
     if args.mode != "diffusion" and args.sampling == "reference":
         raise DgemmaError(f"--sampling reference applies to diffusion decoding; --mode {args.mode} samples with "
                           "--ar-temperature (and --seed)")
+    if args.speculative_pacing and args.mode != "speculative":
+        raise DgemmaError(f"--speculative-pacing applies to --mode speculative, not to --mode {args.mode}")
     check_modes([k for k, v in _fields(args).items() if v is not None], args.mode, args.sampling)
 
 

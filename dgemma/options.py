@@ -11,11 +11,16 @@ from collections.abc import Iterable
 from dgemma.dtypes import NAMES
 from dgemma.errors import SamplingParamsError
 from dgemma.knobs import KNOBS
-from dgemma.option import DIFFUSION, MODES, Option
+from dgemma.option import DIFFUSION, MODES, PACINGS, Option
 
 SAMPLINGS = ("fast", "reference")
 MODE_HELP = ("decode by block diffusion, autoregressively with the encoder, or speculatively (the decoder drafts, "
              "the encoder checks: autoregressive output, several tokens a pass where the drafts hold)")
+
+PACING_HELP = ("--mode speculative: when a row drafts. counted (default): from the ids its cycles commit, so a "
+               "seed gives the same ids on every run; timed (opt-in): from measured cycle and step times, adapting to "
+               "the machine, not bit-reproducible (the passes that run, and at bfloat16 their rounding, follow the "
+               "load)")
 
 
 def opt_in(name: str, type: type, metavar: str, help: str) -> Option:
@@ -33,7 +38,7 @@ OPT_IN = (
            "position"),
     opt_in("early_stop", float, "H", "end a canvas once its mean token entropy is below H, stable or not"),
     opt_in("target_canvas_ms", float, "MS", "each canvas's step budget: the steps that fit MS milliseconds at the "
-           "measured step time (at most max_denoising_steps)"),
+           "measured step time (at most max_denoising_steps); follows the clock, so not bit-reproducible"),
     opt_in("soft_top_k", int, "K", "the self-conditioning signal over each position's K most likely tokens"),
     opt_in("skip_settled", int, "N", "positions accepted and unchanged for N steps leave the head work"),
     opt_in("settled_kv_reuse", bool, "", "with skip_settled: settled positions leave the body too, their keys and "
@@ -115,3 +120,4 @@ def add_quantize_option(p: argparse.ArgumentParser) -> None:
 def add_mode_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=MODES, default=MODES[0],
                    help=f"{MODE_HELP} (default {MODES[0]})")
+    p.add_argument("--speculative-pacing", choices=PACINGS, default=None, help=PACING_HELP)

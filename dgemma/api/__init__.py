@@ -65,6 +65,7 @@ class Model:
         # kept across generate / stream calls: a prompt that starts with an earlier prompt and answer (a chat's next
         # turn) continues from a copy of their cache (`dgemma chat` sets one); None: every call encodes its prompt
         self.prefix_cache: PrefixCache | None = None
+        self.speculative_pacing = "counted"  # or "timed" (opt-in, not bit-reproducible): SpeculativeEngine's pacing
         self.prompts = PromptEncoder(module, tokenizer, self.max_context)
 
     # ---- inputs -----------------------------------------------------------------------------------------

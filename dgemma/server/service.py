@@ -61,6 +61,7 @@ class Service:
                 raise DgemmaError(f"{model.directory}: the server needs a tokenizer (tokenizer.json)")
             model.image_limits = replace(self.config.images, local_files=False)  # a client's paths: never
             model.defaults = self.config.limits.clamp(model.defaults)  # defaults within the fairness caps
+            model.speculative_pacing = self.config.speculative_pacing
             worker = Worker(lambda: model.runner(self.config.mode, "fast", self.config.max_concurrency,
                                                  self.prefix_cache), self.metrics)
             worker.start()
