@@ -97,7 +97,7 @@ def _positive_int(text: str) -> int:
 def add_model_options(p: argparse.ArgumentParser, dtype_help: str | None = None) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory, Hugging Face repo id (downloaded into the "
                    "Hugging Face cache unless already there), or GGUF file of llama.cpp's diffusion-gemma (default: "
-                   "the bundled demo model)")
+                   "demo, the bundled demo model)")
     p.add_argument("--revision", default=None, help="with a repo id: the branch, tag or commit to load "
                    "(default: main)")
     p.add_argument("--dtype", default="auto", choices=("auto", *NAMES),

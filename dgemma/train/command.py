@@ -52,7 +52,8 @@ _FLAGS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="training config file (.json or .toml); flags override it")
-    parser.add_argument("--model", help="checkpoint to fine-tune (directory or cached repo id)")
+    parser.add_argument("--model", help="checkpoint to fine-tune: a directory, a Hugging Face repo id, or demo (the "
+                        "bundled model); without it, a --config file's model_config trains a new model")
     for flag, (_, kind, help_) in _FLAGS.items():
         parser.add_argument(flag, type=kind, default=None, help=help_)
     add_threads_option(parser)
@@ -96,10 +97,14 @@ def run(args: argparse.Namespace) -> int:
     if args.merge_adapter:
         return run_merge(args)
     from dgemma.train.config import make_config
+    from dgemma.train.demo_inputs import build_missing
     from dgemma.train.distributed import launch_environment
     from dgemma.train.trainer import train
 
-    cfg = make_config(_config_values(args))
+    values = _config_values(args)
+    cfg = make_config(values)
+    if launch_environment()[1] == 1:  # under torchrun the ranks would race: the README builds the inputs first
+        build_missing(args.config, values)
     final = train(cfg, progress=not args.no_progress)
     if launch_environment()[0] == 0:  # under torchrun, one rank reports
         print(json.dumps({"final": str(final), "out": cfg.out}))
@@ -113,7 +118,8 @@ def run_merge(args: argparse.Namespace) -> int:
     from dgemma.train.checkpoint import generation_config
     from dgemma.train.lora import export_merged
     from dgemma.weights.compressed import check_out, save_compressed
-    from dgemma.weights.hf import load_model, read_config, resolve_checkpoint
+    from dgemma.train.trainer import checkpoint_dir
+    from dgemma.weights.hf import load_model, read_config
 
     apply_threads(args)
     adapter = Path(args.merge_adapter)
@@ -122,7 +128,7 @@ def run_merge(args: argparse.Namespace) -> int:
         raise DgemmaError("--merge-adapter needs --model (the base checkpoint the adapter was trained on)")
     if not args.out:
         raise DgemmaError("--merge-adapter needs --out (where to write the merged checkpoint)")
-    base_dir = resolve_checkpoint(base)
+    base_dir = checkpoint_dir(base)
     t = read_config(base_dir).text
     gen_cfg = generation_config(list(t.eos_token_id), t.pad_token_id, t.bos_token_id, base_dir=base_dir)
     dtype = parse_dtype(args.save_dtype or "float32", "save_dtype")
