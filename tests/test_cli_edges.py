@@ -118,3 +118,20 @@ def test_model_demo_is_the_bundled_model_everywhere(tmp_path, monkeypatch, capsy
     monkeypatch.chdir(tmp_path)
     (tmp_path / "demo").mkdir()
     assert locate("demo")[0] == Path("demo")
+
+
+def test_the_statistics_line_shows_time_to_first_token(capsys):
+    """So --early-first-token visibly does something: the line carries the request's own time to first token."""
+    import re
+
+    from dgemma.display import print_stream
+    from dgemma.engine import Result, StreamEvent
+
+    stats = {"seconds": 0.5, "ttft_seconds": 0.0123, "tokens_per_second": 4.0, "steps_per_canvas": [3],
+             "tokens_per_forward": 0.67}
+    print_stream([StreamEvent("done", result=Result([5, 6], "ab", "length", stats))])
+    assert "[2 tokens, 0.50 s, first token 12 ms, 4.0 tok/s," in capsys.readouterr().err
+    assert main(["generate", "Once", "--max-new-tokens", "8", "--seed", "0", "--early-first-token"]) == 0
+    line = capsys.readouterr().err
+    ttft, total = int(re.search(r"first token (\d+) ms", line)[1]), float(re.search(r"tokens, ([\d.]+) s", line)[1])
+    assert 0 <= ttft <= 1000 * total + 5
