@@ -30,10 +30,11 @@ def _ids(model, mode, prompt, **options):
 
 
 @pytest.mark.skipif(not native_bf16("cpu"), reason="row-exact checks need bf16 GEMMs (a CPU with native bf16)")
-def test_a_rows_apart_pass_is_one_token_passes_bit_for_bit():
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+def test_a_rows_apart_pass_is_one_token_passes_bit_for_bit(quantize):
     """32 new tokens in one encoder pass (rows_apart) against 32 one-token passes, across the sliding window's edge
-    and the ring's wrap: the same hidden states and logits, bit for bit."""
-    m = dgemma.load(dtype="bfloat16").module
+    and the ring's wrap, with float or quantized weights: the same logits, bit for bit."""
+    m = dgemma.load(dtype="bfloat16", quantize=quantize).module
     g = torch.Generator().manual_seed(0)
     prompt, new = (torch.randint(3, m.cfg.text.vocab_size, (1, n), generator=g) for n in (120, 32))
     one, apart = m.new_cache(1, 200), m.new_cache(1, 200)
