@@ -61,9 +61,9 @@ class SpeculativeEngine(AutoregressiveEngine):
     least CYCLE_COST ids drafts again at the next step; a cycle that commits fewer doubles the row's back-off (1, 2,
     4, ... at most MAX_PLAIN) and the row takes that many plain steps before it tries again. Decided from the row's
     own counts (`pacing="counted"`, the default), so the passes a seed runs, and their rounding, never depend on
-    the clock or on the other rows' drafts. `pacing="timed"` (opt-in) compares the measured rates of cycles and
-    plain steps instead, with an engine-wide back-off: it adapts to the machine, but which passes run depends on
-    the load, and at bfloat16 the ids can too."""
+    the clock, and a row's pacing not on the other rows'. `pacing="timed"` (opt-in) compares the measured rates of
+    cycles and plain steps instead, with an engine-wide back-off: it adapts to the machine, but which passes run
+    depends on the load, and where the check is not row-exact (`rows_apart_exact`) the ids can too."""
 
     mode = "speculative"
     paced = True  # False: draft at every step (tests of the cycle itself)
