@@ -18,9 +18,9 @@ MODE_HELP = ("decode by block diffusion, autoregressively with the encoder, or s
              "the encoder checks: autoregressive output, several tokens a pass where the drafts hold)")
 
 PACING_HELP = ("--mode speculative: when a row drafts. counted (default): from the ids its cycles commit, so a "
-               "seed gives the same ids on every run; timed (opt-in): from measured cycle and step times, adapting to "
-               "the machine, not bit-reproducible (the passes that run, and at bfloat16 their rounding, follow the "
-               "load)")
+               "seed runs the same passes on every run; timed (opt-in): from measured cycle and step times, adapting "
+               "to the machine: the passes follow the load, so the ids are bit-reproducible only where the check is "
+               "row-exact (bfloat16 on a CPU)")
 
 
 def opt_in(name: str, type: type, metavar: str, help: str) -> Option:
