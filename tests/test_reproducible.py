@@ -6,6 +6,7 @@ ids: on a CPU with native bf16 its check attends row by row, so its logits are t
 import itertools
 import subprocess
 import sys
+import threading
 import types
 
 import pytest
@@ -74,20 +75,35 @@ def test_counted_pacing_never_reads_the_clock(model, monkeypatch):
     assert sum(drafted) >= len(drafted) - 1 > sum(d for *_, d in real[1]) * 2
 
 
-def test_the_same_ids_on_every_run_while_another_process_loads_the_cpu(model):
-    """Each mode, twice under load from a busy process, gives its unloaded run's ids (and speculative decoding its
-    unloaded cycles); speculative ids are the autoregressive ones throughout."""
-    quiet = {mode: _ids(model, mode, PROMPTS[1], seed=5, **({} if mode == "diffusion" else {"ar_temperature": 0.7}))
-             for mode in ("diffusion", "autoregressive", "speculative")}
+def test_the_same_ids_on_every_run_while_another_process_or_thread_loads_the_cpu(model):
+    """Each mode, under load from a busy process and then from a thread of this process running torch matmuls,
+    gives its unloaded run's ids (and speculative decoding its unloaded cycles); speculative ids are the
+    autoregressive ones throughout."""
+    def runs():
+        return {mode: _ids(model, mode, PROMPTS[1], seed=5, **({} if mode == "diffusion" else {"ar_temperature": 0.7}))
+                for mode in ("diffusion", "autoregressive", "speculative")}
+
+    quiet = runs()
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        for _ in range(2):
-            for mode, expected in quiet.items():
-                options = {} if mode == "diffusion" else {"ar_temperature": 0.7}
-                assert _ids(model, mode, PROMPTS[1], seed=5, **options) == expected
+        assert runs() == quiet
     finally:
         busy.kill()
         busy.wait()
+    stop = threading.Event()
+
+    def matmuls():
+        a = torch.randn(256, 256)
+        while not stop.is_set():
+            a = torch.tanh(a @ a)
+
+    worker = threading.Thread(target=matmuls)
+    worker.start()
+    try:
+        assert runs() == quiet
+    finally:
+        stop.set()
+        worker.join()
     assert quiet["speculative"][0] == quiet["autoregressive"][0]
 
 
