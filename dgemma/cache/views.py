@@ -84,6 +84,19 @@ class Span(NamedTuple):
     rows_apart: bool = False
 
 
+def row_runs(span: Span) -> list[tuple[int, int] | None]:
+    """Per query row of a rows-apart span (`Span.rows_apart`): the keys it sees when they are one run [a, b) of
+    them (then a one-token pass sees exactly those slots, unmasked), else None (padding, a wrapped ring, a batch
+    of rows: the row keeps its mask row). One host read."""
+    mask = mask_block(span.mask, slice(None), slice(None))  # [B or 1, 1, n, keys]
+    if mask.shape[0] > 1:
+        return [None] * mask.shape[2]
+    seen, keys = mask[0, 0], mask.shape[-1]
+    first, last = seen.int().argmax(-1), keys - 1 - seen.flip(-1).int().argmax(-1)
+    return [(a, b + 1) if b + 1 - a == c else None
+            for a, b, c in zip(first.tolist(), last.tolist(), seen.sum(-1).tolist())]
+
+
 def encoder_span(cache: CacheLike, start: int, n: int, sliding: bool, groups: Tensor | None = None,
                  rows_apart: bool = False) -> Span:
     """Causal attention over slots lo..start+n (and among each image run's tokens, `groups` [B, n]). No mask where

@@ -19,7 +19,7 @@ from torch import nn
 
 from dgemma.cache import KVCache
 from dgemma.config import TextConfig
-from dgemma.cache.views import Span, mask_block
+from dgemma.cache.views import Span, mask_block, row_runs
 from dgemma.model.blocked import attend_blocks
 from dgemma.model.layers import Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
@@ -66,20 +66,12 @@ def _sdpa(q, k, v, mask, causal):
 
 
 def one_token_views(seen: tuple[torch.Tensor, ...], part: Part) -> list[tuple]:
-    """For each query row of a rows-apart pass (`Span.rows_apart`): (keys' tensors, positions, span) as a pass of
-    that token alone sees them. A row whose visible keys are one run gets that run, unmasked (a one-token pass's
-    exact view where nothing is padding or wrapped; SDPA and the blocked path split keys by the number of
-    queries, which at bfloat16 changes the rounding); another keeps every key and its own mask row."""
+    """For each query row of a rows-apart pass: (keys' tensors, positions, span) as a pass of that token alone sees
+    them (`cache.views.row_runs`): SDPA and the blocked path split keys by the number of queries, which at bfloat16
+    changes the rounding."""
     mask = mask_block(part.span.mask, slice(None), slice(None))  # [B or 1, 1, n, keys]
-    keys = mask.shape[-1]
-    if mask.shape[0] > 1:
-        runs = [None] * mask.shape[2]
-    else:  # one host read: each row's first and last visible key, and how many it sees
-        first, last = mask[0, 0].int().argmax(-1), keys - 1 - mask[0, 0].flip(-1).int().argmax(-1)
-        runs = [(a, b + 1) if b + 1 - a == c else None
-                for a, b, c in zip(first.tolist(), last.tolist(), mask[0, 0].sum(-1).tolist())]
     views = []
-    for i, run in enumerate(runs):
+    for i, run in enumerate(row_runs(part.span)):
         if run is None:
             views.append((seen, part.positions, Span(part.span.lo, mask[:, :, i:i + 1])))
         else:
