@@ -29,6 +29,8 @@ def load_model_from_args(args: argparse.Namespace):
         atexit.register(leave)
         if model.module.parallel.rank:  # rank 0 prints; the others run the same steps
             sys.stdout = open(os.devnull, "w")
+    if getattr(args, "speculative_pacing", None):
+        model.speculative_pacing = args.speculative_pacing
     return model
 
 
@@ -170,6 +172,8 @@ def _check_mode_options(args: argparse.Namespace) -> None:
     if args.mode != "diffusion" and args.sampling == "reference":
         raise DgemmaError(f"--sampling reference applies to diffusion decoding; --mode {args.mode} samples with "
                           "--ar-temperature (and --seed)")
+    if args.speculative_pacing and args.mode != "speculative":
+        raise DgemmaError(f"--speculative-pacing applies to --mode speculative, not to --mode {args.mode}")
     check_modes([k for k, v in _fields(args).items() if v is not None], args.mode, args.sampling)
 
 
@@ -297,6 +301,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("info", help="load a checkpoint and describe it")
     add_model_options(p)
+    add_threads_option(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(fn=cmd_info)
     _add_generate(sub)

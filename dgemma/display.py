@@ -38,8 +38,10 @@ def print_stream(events: Iterable[StreamEvent], visual: bool = False, show_ids: 
     if result is not None:
         s = result.stats
         cached = f", {s['cached_tokens']} prompt tokens from the prefix cache" if s.get("cached_tokens") else ""
-        err.write(f"[{len(result.token_ids)} tokens, {s['seconds']:.2f} s, {s['tokens_per_second']:.1f} tok/s, "
-                  f"steps per canvas {s['steps_per_canvas']}, {s['tokens_per_forward']:.2f} tokens/forward"
+        first = f"first token {1000 * s['ttft_seconds']:.0f} ms, " if s.get("ttft_seconds") is not None else ""
+        err.write(f"[{len(result.token_ids)} tokens, {s['seconds']:.2f} s, {first}"
+                  f"{s['tokens_per_second']:.1f} tok/s, steps per canvas {s['steps_per_canvas']}, "
+                  f"{s['tokens_per_forward']:.2f} tokens/forward"
                   f"{cached}, finish: {result.finish_reason}]\n")
     return result
 

@@ -10,6 +10,7 @@ from typing import Any
 
 MODES = ("diffusion", "autoregressive", "speculative")
 DIFFUSION = MODES[:1]
+PACINGS = ("counted", "timed")  # speculative decoding: when to draft, from counts of ids (reproducible) or the clock
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,16 @@ from collections.abc import Iterable
 from dgemma.dtypes import NAMES
 from dgemma.errors import SamplingParamsError
 from dgemma.knobs import KNOBS
-from dgemma.option import DIFFUSION, MODES, Option
+from dgemma.option import DIFFUSION, MODES, PACINGS, Option
 
 SAMPLINGS = ("fast", "reference")
 MODE_HELP = ("decode by block diffusion, autoregressively with the encoder, or speculatively (the decoder drafts, "
              "the encoder checks: autoregressive output, several tokens a pass where the drafts hold)")
+
+PACING_HELP = ("--mode speculative: when a row drafts. counted (default): from the ids its cycles commit, so a "
+               "seed runs the same passes on every run; timed (opt-in): from measured cycle and step times, adapting "
+               "to the machine: the passes follow the load, so the ids are bit-reproducible only where the check is "
+               "row-exact (bfloat16 on a CPU)")
 
 
 def opt_in(name: str, type: type, metavar: str, help: str) -> Option:
@@ -33,7 +38,7 @@ OPT_IN = (
            "position"),
     opt_in("early_stop", float, "H", "end a canvas once its mean token entropy is below H, stable or not"),
     opt_in("target_canvas_ms", float, "MS", "each canvas's step budget: the steps that fit MS milliseconds at the "
-           "measured step time (at most max_denoising_steps)"),
+           "measured step time (at most max_denoising_steps); follows the clock, so not bit-reproducible"),
     opt_in("soft_top_k", int, "K", "the self-conditioning signal over each position's K most likely tokens"),
     opt_in("skip_settled", int, "N", "positions accepted and unchanged for N steps leave the head work"),
     opt_in("settled_kv_reuse", bool, "", "with skip_settled: settled positions leave the body too, their keys and "
@@ -65,9 +70,10 @@ def check_modes(given: Iterable[str], mode: str, sampling: str = "fast") -> None
 
 
 def add_threads_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=_positive_int, default=None,
-                   help="torch CPU threads (default: torch's choice, one per core; on a machine busy with other "
-                        "work, fewer threads than cores is often several times faster)")
+    """The one --threads of every command that runs the model (`apply_threads` sets it once the command runs)."""
+    p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                   help="torch CPU threads (default: torch's, one per physical core; on a machine busy with other "
+                        "work, fewer threads than cores, e.g. 1 on 2 cores, is often several times faster)")
 
 
 def add_parallel_option(p: argparse.ArgumentParser) -> None:
@@ -97,7 +103,7 @@ def _positive_int(text: str) -> int:
 def add_model_options(p: argparse.ArgumentParser, dtype_help: str | None = None) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory, Hugging Face repo id (downloaded into the "
                    "Hugging Face cache unless already there), or GGUF file of llama.cpp's diffusion-gemma (default: "
-                   "the bundled demo model)")
+                   "demo, the bundled demo model)")
     p.add_argument("--revision", default=None, help="with a repo id: the branch, tag or commit to load "
                    "(default: main)")
     p.add_argument("--dtype", default="auto", choices=("auto", *NAMES),
@@ -120,3 +126,4 @@ def add_quantize_option(p: argparse.ArgumentParser) -> None:
 def add_mode_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=MODES, default=MODES[0],
                    help=f"{MODE_HELP} (default {MODES[0]})")
+    p.add_argument("--speculative-pacing", choices=PACINGS, default=None, help=PACING_HELP)

@@ -102,11 +102,7 @@ def main() -> None:
     if args.report:
         report(ROOT / "runs/demo/final", ROOT / "data/corpus/valid.txt", ROOT / "runs/demo/report.json")
         return
-    if not args.install_only:
-        if not (ROOT / "data/corpus/train.txt").is_file():
-            step([py, "scripts/build_corpus.py"])
-        if not (ROOT / "data/tokenizer/tokenizer.json").is_file():
-            step([py, "scripts/train_tokenizer.py"])
+    if not args.install_only:  # dgemma train builds the corpus and tokenizer first if missing (train/demo_inputs.py)
         step([py, "-m", "dgemma.train.command", "--config", args.config, *args.trainer_args])
     if not args.no_install:
         install(ROOT / "runs/demo/final")

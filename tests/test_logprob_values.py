@@ -35,3 +35,25 @@ def test_logprobs_are_the_references_log_softmax(pair, monkeypatch, t_max):
         top = want[pos].topk(5)
         assert [a for a, _ in alternatives] == top.indices.tolist()
         assert [v for _, v in alternatives] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_a_certain_tokens_logprob_is_zero_never_negative_zero(monkeypatch):
+    """Some log_softmax kernels give a certain token -0.0 (x - (max + log 1) with x = -0.0): entries, alternatives
+    and the JSON of a Result carry 0.0."""
+    import json
+    import math
+
+    from dgemma.engine.output import Result
+    from dgemma.sampling.logprobs import canvas_logprobs
+
+    class Head:
+        def logits(self, hidden):
+            return hidden
+
+    real = torch.log_softmax
+    monkeypatch.setattr(torch, "log_softmax", lambda x, dim: real(x, dim=dim) * 0 - 0.0)  # every value -0.0
+    entries = canvas_logprobs(torch.tensor([[1.0, 0.0], [0.0, 1.0]]), [0, 1], Head(), 1.0, 2)
+    values = [v for _, lp, alts in entries for v in (lp, *(a for _, a in alts))]
+    assert values == [0.0] * 6 and all(math.copysign(1.0, v) == 1.0 for v in values)
+    result = Result([0, 1], "", "length", logprobs=entries)
+    assert "-0.0" not in json.dumps(result.to_dict())

@@ -44,6 +44,7 @@ FLAGS = {
     "allowed_hosts": (["--allowed-hosts", "a.example,b.example", "--allowed-host", "c"], ("a.example", "b.example",
                                                                                           "c")),
     "mode": (["--mode", "autoregressive"], "autoregressive"),
+    "speculative_pacing": (["--speculative-pacing", "timed"], "timed"),
     "log_level": (["--log-level", "debug"], "debug"),
     "access_log": (["--no-access-log"], False),
 }

@@ -401,11 +401,15 @@ def test_command_errors(workdir, tmp_path):
     bad.write_text('{"steps": 0, "train_data": "x", "model": "y"}')
     threads = tmp_path / "threads.json"
     threads.write_text('{"threads": 0, "train_data": "x", "model": "y"}')
+    both = tmp_path / "both.json"
+    both.write_text('{"train_data": "x", "model": "y", "model_config": {}}')
     cases = [([], "no training data"),
              (["--config", str(tmp_path / "nope.toml")], "config file not found"),
              (["--config", str(bad)], "steps=0 must be a positive integer"),
              (["--config", str(threads)], "threads=0 must be a positive integer"),  # was torch's RuntimeError
-             (["--data", str(workdir / "train.txt")], "set exactly one of model"),
+             (["--data", str(workdir / "train.txt")], r"nothing to train: give --model .* or --config with a file "
+                                                      "whose model_config"),
+             (["--config", str(both)], "sets both model .* and model_config"),
              (["--data", str(tmp_path / "none.txt"), "--model", str(tmp_path)], "no tokenizer.json")]
     for argv, message in cases:
         with pytest.raises(DgemmaError, match=message):
@@ -523,3 +527,41 @@ def test_bundled_demo_model_matches_transformers():
         enc = ours.head(ours.encode(prompt, cache))
         dec = ours.head(ours.denoise(canvas, cache))
     assert torch.allclose(expected[0], enc, atol=1e-4) and torch.allclose(expected[1], dec, atol=1e-4)
+
+
+def test_the_demo_config_builds_its_missing_corpus_and_tokenizer_first(tmp_path, monkeypatch, capsys):
+    """A fresh clone has neither data/corpus nor data/tokenizer: `--config configs/demo.json` runs the checkout's
+    scripts for what is missing (with a message naming it), once; a flag's own data or a failing script do not."""
+    import shutil
+
+    from dgemma.train.config import read_config_file
+    from dgemma.train.demo_inputs import build_missing
+
+    root = Path(__file__).resolve().parent.parent
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(root / "configs" / "demo.json", tmp_path / "configs" / "demo.json")
+    log = tmp_path / "ran.txt"
+    stub = ("import sys, pathlib\nargs = dict(zip(sys.argv[1::2], sys.argv[2::2]))\n"
+            f"open({str(log)!r}, 'a').write(pathlib.Path(sys.argv[0]).name + ' ' + ' '.join(sys.argv[1:]) + '\\n')\n"
+            "out = pathlib.Path(args['--out']); out.mkdir(parents=True, exist_ok=True)\n")
+    (tmp_path / "scripts" / "build_corpus.py").write_text(
+        stub + "(out / 'train.txt').write_text('a'); (out / 'valid.txt').write_text('b')\n")
+    (tmp_path / "scripts" / "train_tokenizer.py").write_text(stub + "(out / 'tokenizer.json').write_text('{}')\n")
+    monkeypatch.chdir(tmp_path)
+    values = read_config_file("configs/demo.json")
+    build_missing("configs/demo.json", values | {"train_data": "mine.txt"})  # the user's data: nothing built
+    assert not log.exists()
+    build_missing("configs/demo.json", values)
+    assert log.read_text().splitlines() == [
+        "build_corpus.py --out data/corpus",
+        "train_tokenizer.py --corpus data/corpus/train.txt --valid data/corpus/valid.txt --out data/tokenizer"]
+    err = capsys.readouterr().err
+    assert "data/corpus/train.txt is missing: building the demo corpus" in err
+    assert "data/tokenizer/tokenizer.json is missing: training the demo tokenizer" in err
+    build_missing("configs/demo.json", values)  # built: nothing runs again
+    assert len(log.read_text().splitlines()) == 2
+    (tmp_path / "data" / "tokenizer" / "tokenizer.json").unlink()
+    (tmp_path / "scripts" / "train_tokenizer.py").write_text("raise SystemExit(3)\n")
+    with pytest.raises(DgemmaError, match=r"scripts/train_tokenizer.py failed \(exit status 3"):
+        build_missing("configs/demo.json", values)

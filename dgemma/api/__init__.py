@@ -23,6 +23,7 @@ from dgemma.quant import QuantizedWeight, kernel_summary
 from dgemma.quant import summary as quant_summary
 from dgemma.sampling import Limits, SamplingParams, SamplingParamsError
 from dgemma.sampling.constraints import GrammarVocab, shared_vocab
+from dgemma.sampling.temperature import is_greedy, temperature_fields
 from dgemma.tokenizer import Tokenizer
 
 __all__ = ["DEMO_MODEL", "Model", "Prompt", "load", "load_model_from_args"]
@@ -68,6 +69,7 @@ class Model:
         # kept across generate / stream calls: a prompt that starts with an earlier prompt and answer (a chat's next
         # turn) continues from a copy of their cache (`dgemma chat` sets one); None: every call encodes its prompt
         self.prefix_cache: PrefixCache | None = None
+        self.speculative_pacing = "counted"  # or "timed" (opt-in, not bit-reproducible): SpeculativeEngine's pacing
         self.prompts = PromptEncoder(module, tokenizer, self.max_context)
 
     # ---- inputs -----------------------------------------------------------------------------------------
@@ -98,8 +100,15 @@ class Model:
         [[hole:N]] holes; the output is the filled template), `edit` (a draft, text or ids) with `renoise`
         (a fraction of its tokens chosen by the seed, or (start, end) spans: characters of a text draft, indices
         of an id draft). `layout_limit`: the most tokens a template or edit may have (default: the context); a
-        longer one is refused before it is tokenized or built. With `mode` (and `sampling`), a field set for
-        another decoding is refused (`options.check_modes`), not ignored."""
+        longer one is refused before it is tokenized or built. `temperature` T is OpenAI's field, as the server
+        reads it: the schedule T -> T/2 in diffusion mode, ar_temperature T in the others (below 1e-3 without a
+        seed: seed 0). With `mode` (and `sampling`), a field set for another decoding is refused
+        (`options.check_modes`), not ignored."""
+        if "temperature" in options:  # OpenAI's field, as the server maps it (sampling/temperature.py)
+            temperature = options.pop("temperature")
+            options |= temperature_fields(temperature, mode or "diffusion", options)
+            if is_greedy(temperature) and options.get("seed") is None:
+                options["seed"] = 0
         if mode is not None:
             check_modes([k for k, v in options.items() if v is not None], mode, sampling)
         if self.module.parallel is not None:  # every rank draws with rank 0's seed

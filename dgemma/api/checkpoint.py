@@ -17,16 +17,18 @@ from dgemma.tokenizer import Tokenizer
 from dgemma.weights import is_gguf, load_gguf_model, load_model, resolve_checkpoint
 
 DEMO_MODEL = Path(__file__).parent.parent / "assets" / "demo"
+DEMO_NAME = "demo"  # the bundled model's name (the server's model id for it), unless a local path has that name
 QUANT_DEVICES = ("cpu", "cuda")  # where the decode ops (bit shifts on uint8, int8 casts) are known to run
 AUTO_FLOAT32_BYTES = 4 << 30  # "auto" upcasts bf16 checkpoints up to this size where bf16 is slow
 
 
 def locate(path_or_repo: str | Path | None, revision: str | None = None) -> tuple[Path, bool]:
-    """Where a checkpoint is, and whether it is a GGUF file: the bundled demo (None), a GGUF file, a directory, or a
-    Hugging Face repo id (fetched unless cached; `revision` applies to a repo id only)."""
-    if revision is not None and (path_or_repo is None or is_gguf(path_or_repo)):
+    """Where a checkpoint is, and whether it is a GGUF file: the bundled demo (None or "demo"), a GGUF file, a
+    directory, or a Hugging Face repo id (fetched unless cached; `revision` applies to a repo id only)."""
+    demo = path_or_repo is None or (str(path_or_repo) == DEMO_NAME and not Path(DEMO_NAME).exists())
+    if revision is not None and (demo or is_gguf(path_or_repo)):
         raise DgemmaError("--revision applies to a Hugging Face repo id")
-    if path_or_repo is None:
+    if demo:
         if not (DEMO_MODEL / "config.json").is_file():
             raise DgemmaError("the bundled demo model is missing from this install; pass --model PATH")
         path_or_repo = DEMO_MODEL

@@ -27,9 +27,10 @@ def engine_for(model: Model, mode: str, sampling: str, max_batch: int, prefix_ca
     if mode not in MODES or sampling not in SAMPLINGS:
         bad, name, names = (("mode", mode, MODES) if mode not in MODES else ("sampling", sampling, SAMPLINGS))
         raise SamplingParamsError(f"{bad}={name!r} must be one of {', '.join(names)}", bad)
-    if mode in ("autoregressive", "speculative"):
-        kind = AutoregressiveEngine if mode == "autoregressive" else SpeculativeEngine
-        engine = kind(model.module, eos, max_batch, prefix_cache)
+    if mode == "autoregressive":
+        engine = AutoregressiveEngine(model.module, eos, max_batch, prefix_cache)
+    elif mode == "speculative":
+        engine = SpeculativeEngine(model.module, eos, max_batch, prefix_cache, model.speculative_pacing)
     elif sampling == "reference":
         engine = ReferenceEngine(model.module, eos, model.pad_id)
     else:

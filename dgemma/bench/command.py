@@ -96,14 +96,9 @@ def _measure_rounds(args: argparse.Namespace, jobs: list[Job]) -> list[list[dict
 
 
 def _model_dir(model: str | None) -> Path:
-    from dgemma.api import DEMO_MODEL
-    from dgemma.weights.hf import resolve_checkpoint
+    from dgemma.api.checkpoint import locate
 
-    if model is None:
-        if not (DEMO_MODEL / "config.json").is_file():
-            raise DgemmaError("the bundled demo model is missing from this install; pass --model PATH")
-        model = DEMO_MODEL
-    return resolve_checkpoint(model)
+    return locate(model)[0]
 
 
 def plan(args: argparse.Namespace, model: str) -> list[Job]:

@@ -124,9 +124,10 @@ class KVCache:
         store = next(s for i, s in enumerate(self.stores) if self.cfg.layer(i).sliding == sliding)
         return store.key_slots(lo, start, n, self.valid.device)
 
-    def encoder_span(self, start: int, n: int, sliding: bool, groups: Tensor | None = None) -> views.Span:
+    def encoder_span(self, start: int, n: int, sliding: bool, groups: Tensor | None = None,
+                     rows_apart: bool = False) -> views.Span:
         """What the causal encoder's n new tokens at `start` see (`views.encoder_span`; `groups`: image runs)."""
-        return views.encoder_span(self, start, n, sliding, groups)
+        return views.encoder_span(self, start, n, sliding, groups, rows_apart)
 
     def decoder_span(self, n: int, sliding: bool, hide: int = 0) -> views.Span:
         """What a canvas of n tokens after the cached ones sees (`views.decoder_span`; `hide`: its first positions

@@ -76,28 +76,45 @@ def mask_block(mask: Mask, rows: slice, keys: slice) -> Tensor:
 class Span(NamedTuple):
     """Queries see cached slots lo.. and their own: through `mask` [B, 1, n or 1, keys] if given (keys in the
     order `KVCache.view` returns them), causally (SDPA's is_causal: nothing cached before, square scores) if
-    `causal`, else everything."""
+    `causal`, else everything. `rows_apart`: each query attends alone, as in a pass of one token (its mask row)."""
 
     lo: int
     mask: Mask | None = None
     causal: bool = False
+    rows_apart: bool = False
 
 
-def encoder_span(cache: CacheLike, start: int, n: int, sliding: bool, groups: Tensor | None = None) -> Span:
+def row_runs(span: Span) -> list[tuple[int, int] | None]:
+    """Per query row of a rows-apart span (`Span.rows_apart`): the keys it sees when they are one run [a, b) of
+    them (then a one-token pass sees exactly those slots, unmasked), else None (padding, a wrapped ring, a batch
+    of rows: the row keeps its mask row). One host read."""
+    mask = mask_block(span.mask, slice(None), slice(None))  # [B or 1, 1, n, keys]
+    if mask.shape[0] > 1:
+        return [None] * mask.shape[2]
+    seen, keys = mask[0, 0], mask.shape[-1]
+    first, last = seen.int().argmax(-1), keys - 1 - seen.flip(-1).int().argmax(-1)
+    return [(a, b + 1) if b + 1 - a == c else None
+            for a, b, c in zip(first.tolist(), last.tolist(), seen.sum(-1).tolist())]
+
+
+def encoder_span(cache: CacheLike, start: int, n: int, sliding: bool, groups: Tensor | None = None,
+                 rows_apart: bool = False) -> Span:
     """Causal attention over slots lo..start+n (and among each image run's tokens, `groups` [B, n]). No mask where
     the keys are exactly those slots, nothing visible is padding and the sliding window cuts no query's view short:
-    one new token sees every slot; a first chunk is plain causal."""
+    one new token sees every slot; a first chunk is plain causal. `rows_apart` (n > 1): each token attends as a
+    pass of that token alone would, through its row of the mask."""
     lo, window = cache.window_start(sliding, start), cache.cfg.sliding_window
     first, slots = cache.key_slots(sliding, lo, start, n)
     window_cuts = sliding and start + n - window > lo
     exact = first == lo and slots is None and groups is None
-    if exact and not cache.has_padding(lo) and not window_cuts and (n == 1 or start == lo):
+    rows_apart = rows_apart and n > 1
+    if exact and not cache.has_padding(lo) and not window_cuts and (n == 1 or start == lo) and not rows_apart:
         return Span(lo, causal=n > 1)
     device = cache.valid.device
     kv = torch.arange(first, start + n, device=device) if slots is None else slots
     q = torch.arange(start, start + n, device=device)
     valid = _valid(cache, kv, slots, first, start + n) if cache.has_padding(first) else None
-    return Span(lo, CausalMask(kv, q, window if sliding else None, valid, groups))
+    return Span(lo, CausalMask(kv, q, window if sliding else None, valid, groups), rows_apart=rows_apart)
 
 
 def decoder_span(cache: CacheLike, start: int, n: int, sliding: bool, hide: int = 0) -> Span:

@@ -19,7 +19,7 @@ from torch import nn
 
 from dgemma.cache import KVCache
 from dgemma.config import TextConfig
-from dgemma.cache.views import Span, mask_block
+from dgemma.cache.views import Span, mask_block, row_runs
 from dgemma.model.blocked import attend_blocks
 from dgemma.model.layers import Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
@@ -65,6 +65,22 @@ def _sdpa(q, k, v, mask, causal):
                                           enable_gqa=k.shape[1] != q.shape[1])
 
 
+def one_token_views(seen: tuple[torch.Tensor, ...], part: Part) -> list[tuple]:
+    """For each query row of a rows-apart pass: (keys' tensors, positions, span) as a pass of that token alone sees
+    them (`cache.views.row_runs`): SDPA and the blocked path split keys by the number of queries, which at bfloat16
+    changes the rounding."""
+    mask = mask_block(part.span.mask, slice(None), slice(None))  # [B or 1, 1, n, keys]
+    views = []
+    for i, run in enumerate(row_runs(part.span)):
+        if run is None:
+            views.append((seen, part.positions, Span(part.span.lo, mask[:, :, i:i + 1])))
+        else:
+            at = slice(*run)
+            positions = None if part.positions is None else part.positions[:, at]
+            views.append((tuple(t[:, :, at] for t in seen), positions, Span(part.span.lo)))
+    return views
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: TextConfig, layer: int):
         super().__init__()
@@ -108,10 +124,11 @@ class Attention(nn.Module):
             else:
                 old = part.cache.slice(self.layer, part.span.lo, part.start)
                 seen = tuple(torch.cat([o, t[rows]], dim=2) for o, t in zip(old, new))
-            if self.v_proj is not None:
-                outs.append(attend(q[rows], *seen, part.span))
+            if part.span.rows_apart:
+                outs.append(torch.cat([self._attend(q[rows][:, :, i:i + 1], *one)
+                                       for i, one in enumerate(one_token_views(seen, part))], dim=2))
             else:
-                outs.append(self._attend_derived(q[rows], seen[0], part.positions, part.span))
+                outs.append(self._attend(q[rows], seen, part.positions, part.span))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
@@ -125,6 +142,12 @@ class Attention(nn.Module):
         k = apply_rope(self.k_norm(k_raw), cos, sin)
         v = self.v_norm(self.v_proj(x).view(b, n, self.n_kv, self.head_dim))
         return k.transpose(1, 2), v.transpose(1, 2)
+
+    def _attend(self, q: torch.Tensor, seen: tuple[torch.Tensor, ...], positions: torch.Tensor | None,
+                span: Span) -> torch.Tensor:
+        if self.v_proj is not None:
+            return attend(q, *seen, span)
+        return self._attend_derived(q, seen[0], positions, span)
 
     def _attend_derived(self, q: torch.Tensor, raw: torch.Tensor, positions: torch.Tensor, span: Span) -> torch.Tensor:
         """Attention of a full-attention layer over cached k_proj outputs raw [B, kv_heads, S, D] at `positions`

@@ -136,13 +136,14 @@ class DiffusionGemma(nn.Module):
         return self.lm_head.logits(hidden)
 
     def encode(self, ids: torch.Tensor, cache: Caches, valid: torch.Tensor | None = None,
-               positions: torch.Tensor | None = None) -> torch.Tensor:
+               positions: torch.Tensor | None = None, rows_apart: bool = False) -> torch.Tensor:
         """Causal pass over new tokens ids [B, L]; appends them to the cache; returns normed hidden [B, L, H].
 
         `cache` is one cache for the batch, or a list of caches each holding consecutive rows (one per request,
         so that requests join and leave without copying each other's): each part's positions then default to
-        its own slots."""
-        return self.norm(self._encode(ids, cache, valid, positions))
+        its own slots. `rows_apart`: each position attends as a pass of one token would, so that its hidden state
+        is bit for bit a one-token pass's where the matmuls' rounding does not depend on L (bfloat16 on CPUs)."""
+        return self.norm(self._encode(ids, cache, valid, positions, rows_apart))
 
     def prefill(self, ids: torch.Tensor, cache: Caches, valid: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, chunk: int | None = PREFILL_CHUNK) -> torch.Tensor:
@@ -158,11 +159,11 @@ class DiffusionGemma(nn.Module):
                              None if positions is None else positions[:, part])
         return self.norm(x[:, -1])
 
-    def _encode(self, ids, cache, valid, positions):
+    def _encode(self, ids, cache, valid, positions, rows_apart=False):
         n, caches = ids.shape[1], _listed(cache)
         x, groups = self._embed_prompt(ids)
         starts = [c.reserve(n, None if valid is None else valid[rows]) for c, rows in zip(caches, _rows(caches))]
-        parts = {s: [Part(c, start, c.encoder_span(start, n, s, None if groups is None else groups[rows]))
+        parts = {s: [Part(c, start, c.encoder_span(start, n, s, None if groups is None else groups[rows], rows_apart))
                      for c, start, rows in zip(caches, starts, _rows(caches))] for s in (True, False)}
         return self._run(x, parts, n, positions, encoder=True)
 

@@ -19,7 +19,8 @@ def canvas_logprobs(hidden: Tensor, ids: list[int], head: Head, inv_temp: float,
     """hidden [C, H], ids [C] (the canvas's draft) -> one Entry per position."""
     out: list[Entry] = []
     for lo in range(0, len(ids), CHUNK):
-        logp = torch.log_softmax(head.logits(hidden[lo:lo + CHUNK]) * inv_temp, dim=-1)
+        # + 0.0 turns -0.0 (a certain token, as some kernels round it) into 0.0, so it never prints as -0.0
+        logp = torch.log_softmax(head.logits(hidden[lo:lo + CHUNK]) * inv_temp, dim=-1) + 0.0
         chosen = logp.gather(1, torch.tensor(ids[lo:lo + CHUNK], device=logp.device)[:, None])[:, 0].tolist()
         if top:
             values, indices = logp.topk(top, dim=-1)

@@ -10,7 +10,7 @@ from typing import Any
 
 from dgemma.errors import ConfigError
 from dgemma.image_limits import ImageLimits, add_image_options, limits_from_args
-from dgemma.options import MODE_HELP, MODES
+from dgemma.options import MODE_HELP, MODES, PACING_HELP, PACINGS
 from dgemma.sampling.params import Limits
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -94,6 +94,7 @@ class ServerConfig:
                                              "any", ("--allowed-hosts", "--allowed-host"), shown="none",
                                              metavar="NAME[,NAME]")
     mode: str = setting(MODES[0], MODE_HELP, choices=MODES)
+    speculative_pacing: str = setting(PACINGS[0], PACING_HELP, choices=PACINGS)
     log_level: str = setting("info", "server log level", choices=("debug", "info", "warning", "error"))
     access_log: bool = setting(True, "do not log each request", "--no-access-log", action="store_false")
     images: ImageLimits = ImageLimits(local_files=False)  # their flags: image_limits.add_image_options

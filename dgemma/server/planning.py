@@ -1,6 +1,6 @@
 """OpenAI request -> engine work: the request-level checks, each choice of a prompt as a `Plan` (ids and
-SamplingParams, validated by `Model.check_request`), the temperature -> denoising schedule rule, and the client's
-own field names in the errors SamplingParams raises."""
+SamplingParams, validated by `Model.check_request`; the temperature rule is sampling/temperature.py's), and the
+client's own field names in the errors SamplingParams raises."""
 
 from __future__ import annotations
 
@@ -11,12 +11,11 @@ from typing import Any
 
 from dgemma.api import Model
 from dgemma.sampling import MAX_SEED, SamplingParams, SamplingParamsError
+from dgemma.sampling.temperature import GREEDY_T, is_greedy, temperature_fields
 from dgemma.server.config import ServerConfig
 from dgemma.server.errors import ApiError, bad_request, unsupported
 from dgemma.server.formats import LAYOUT_PARAMS
 from dgemma.server.protocol import OpenAIRequest
-
-GREEDY_T = 1e-3  # temperatures below this (0 included) -> a near-greedy schedule from 1e-3 down to 5e-4
 
 
 @dataclass
@@ -45,14 +44,6 @@ def check(body: OpenAIRequest, config: ServerConfig, prompts: int) -> None:
                           "per request", "n")
 
 
-def schedule(temperature: float | None) -> dict[str, float]:
-    """OpenAI temperature T -> the denoising schedule t_max = T, t_min = T / 2 (None keeps the checkpoint's)."""
-    if temperature is None:
-        return {}
-    t = max(temperature, GREEDY_T)  # below 1e-3 sampling is greedy anyway; 1 / T stays finite
-    return {"t_max": t, "t_min": t / 2}
-
-
 def prepare(model: Model, config: ServerConfig, body: OpenAIRequest, prompt: Any, limit: int,
             partition: str | None) -> tuple[list[int], list[SamplingParams]]:
     """A prompt's ids and its choices' SamplingParams (in a worker thread: it tokenizes, compiles a grammar and
@@ -68,10 +59,8 @@ def choice_params(model: Model, config: ServerConfig, body: OpenAIRequest, ids: 
     new = getattr(body, body.renamed()["max_new_tokens"])
     room = max(1, model.max_context - len(ids))
     new = min(model.defaults.max_new_tokens, room, config.max_tokens or room) if new is None else new
-    greedy = body.temperature is not None and body.temperature < GREEDY_T
-    base = 0 if body.seed is None and greedy else body.seed
-    sampling = schedule(body.temperature) if config.mode == "diffusion" else \
-        {"ar_temperature": body.temperature} if body.temperature is not None else {}
+    base = 0 if body.seed is None and is_greedy(body.temperature) else body.seed
+    sampling = temperature_fields(body.temperature, config.mode)
     first = model.params(config.mode, max_new_tokens=new, seed=base, stop=body.stop, grammar=body.grammar(),
                          logprobs=body.logprob_count(), **sampling, **overrides(body), **body.knobs(),
                          cache_salt=partition, thought_budget=body.thought_budget(), layout_limit=min(room, config.max_tokens or room),

@@ -230,6 +230,7 @@ class Lease:
 
 def engines(model: Model, config: ServerConfig, prefix_cache: PrefixCache | None) -> Callable[[], Any]:
     """The server's engine for `model`, made anew after a failed step (every rank makes the same)."""
+    model.speculative_pacing = config.speculative_pacing
     return lambda: model.runner(config.mode, "fast", config.max_concurrency, prefix_cache)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from dgemma.errors import DgemmaError
 from dgemma.jsonfile import read_json
+from dgemma.options import add_threads_option, apply_threads
 
 # flag -> (TrainConfig field, type, help); booleans are handled apart
 _FLAGS = {
@@ -41,7 +42,6 @@ _FLAGS = {
     "--save-dtype": ("save_dtype", str, "float32 | bfloat16 for the exported checkpoint"),
     "--seed": ("seed", int, "seed of the initialisation, data order and noise"),
     "--device": ("device", str, "torch device (cpu, cuda)"),
-    "--threads": ("threads", int, "CPU threads (1 is fastest on a busy 2-core machine)"),
     "--quantize": ("quantize", str, "with --lora (QLoRA): quantize the frozen base while loading: int8 or int4; "
                    "with --merge-adapter: write the merged checkpoint quantized (int8, int4, nvfp4)"),
     "--parallel": ("parallel", str, "under torchrun: fsdp (shard weights, gradients and optimizer; default) or ddp "
@@ -52,9 +52,11 @@ _FLAGS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="training config file (.json or .toml); flags override it")
-    parser.add_argument("--model", help="checkpoint to fine-tune (directory or cached repo id)")
+    parser.add_argument("--model", help="checkpoint to fine-tune: a directory, a Hugging Face repo id, or demo (the "
+                        "bundled model); without it, a --config file's model_config trains a new model")
     for flag, (_, kind, help_) in _FLAGS.items():
         parser.add_argument(flag, type=kind, default=None, help=help_)
+    add_threads_option(parser)
     parser.add_argument("--lora", action="store_true", default=None, help="train a LoRA adapter instead of all weights")
     parser.add_argument("--activation-checkpointing", action="store_true", default=None,
                         help="rerun each layer in backward instead of keeping its activations (less memory)")
@@ -78,6 +80,8 @@ def _config_values(args: argparse.Namespace) -> dict:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             values[name] = value
+    if args.threads:  # the shared flag (options.add_threads_option); the trainer applies it
+        values["threads"] = args.threads
     if args.lora:
         values["lora"] = True
     if args.activation_checkpointing:
@@ -93,10 +97,14 @@ def run(args: argparse.Namespace) -> int:
     if args.merge_adapter:
         return run_merge(args)
     from dgemma.train.config import make_config
+    from dgemma.train.demo_inputs import build_missing
     from dgemma.train.distributed import launch_environment
     from dgemma.train.trainer import train
 
-    cfg = make_config(_config_values(args))
+    values = _config_values(args)
+    cfg = make_config(values)
+    if launch_environment()[1] == 1:  # under torchrun the ranks would race: the README builds the inputs first
+        build_missing(args.config, values)
     final = train(cfg, progress=not args.no_progress)
     if launch_environment()[0] == 0:  # under torchrun, one rank reports
         print(json.dumps({"final": str(final), "out": cfg.out}))
@@ -110,15 +118,17 @@ def run_merge(args: argparse.Namespace) -> int:
     from dgemma.train.checkpoint import generation_config
     from dgemma.train.lora import export_merged
     from dgemma.weights.compressed import check_out, save_compressed
-    from dgemma.weights.hf import load_model, read_config, resolve_checkpoint
+    from dgemma.train.trainer import checkpoint_dir
+    from dgemma.weights.hf import load_model, read_config
 
+    apply_threads(args)
     adapter = Path(args.merge_adapter)
     base = args.model or _adapter_base(adapter)
     if not base:
         raise DgemmaError("--merge-adapter needs --model (the base checkpoint the adapter was trained on)")
     if not args.out:
         raise DgemmaError("--merge-adapter needs --out (where to write the merged checkpoint)")
-    base_dir = resolve_checkpoint(base)
+    base_dir = checkpoint_dir(base)
     t = read_config(base_dir).text
     gen_cfg = generation_config(list(t.eos_token_id), t.pad_token_id, t.bos_token_id, base_dir=base_dir)
     dtype = parse_dtype(args.save_dtype or "float32", "save_dtype")

@@ -91,11 +91,18 @@ class TrainConfig:
     def _check_sources(self) -> None:
         """What is trained on what: data, model or config + tokenizer, LoRA / QLoRA combinations."""
         if not self.train_data:
-            raise ConfigError("no training data: set train_data (a text file or a .jsonl chat file)")
-        if (self.model is None) == (self.model_config is None):
-            raise ConfigError("set exactly one of model (a checkpoint to fine-tune) and model_config (from scratch)")
+            raise ConfigError("no training data: give --data (train_data in a config file): a text file or a .jsonl "
+                              "chat file")
+        if self.model is None and self.model_config is None:
+            raise ConfigError("nothing to train: give --model (a checkpoint to fine-tune: a directory, a repo id or "
+                              "demo), or --config with a file whose model_config describes a new model "
+                              "(configs/demo.json)")
+        if self.model is not None and self.model_config is not None:
+            raise ConfigError("the config sets both model (a checkpoint to fine-tune) and model_config (a new model "
+                              "from scratch): keep one (--model replaces the file's model_config)")
         if self.model_config is not None and self.tokenizer is None:
-            raise ConfigError("training from scratch needs tokenizer (a directory with tokenizer.json)")
+            raise ConfigError("training from scratch needs --tokenizer (tokenizer in a config file): a directory with "
+                              "tokenizer.json")
         if self.lora and self.model is None:
             raise ConfigError("lora needs model (the checkpoint the adapter is trained on and merged into)")
         if self.quantize is not None:

@@ -69,7 +69,7 @@ class Trainer:
         self.par = distributed.setup(cfg)
         self.device = self.par.device
         self.out = Path(cfg.out)
-        self.model_dir = _checkpoint_dir(cfg.model) if cfg.model else None
+        self.model_dir = checkpoint_dir(cfg.model) if cfg.model else None
         self.tokenizer_dir = Path(cfg.tokenizer) if cfg.tokenizer else self.model_dir
         self.tokenizer = _load_tokenizer(self.tokenizer_dir)
         dtype = compute_dtype(cfg.precision, self.device)
@@ -373,10 +373,13 @@ def _optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig):
     return optimizer, scheduler
 
 
-def _checkpoint_dir(model: str) -> Path:
-    from dgemma.weights import resolve_checkpoint
+def checkpoint_dir(model: str) -> Path:
+    from dgemma.api.checkpoint import locate
 
-    return resolve_checkpoint(model)
+    directory, gguf = locate(model)
+    if gguf:
+        raise DgemmaError(f"model {model}: training reads a checkpoint directory, not a GGUF file")
+    return directory
 
 
 def _load_tokenizer(directory: Path):

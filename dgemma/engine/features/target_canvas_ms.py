@@ -1,7 +1,8 @@
 """Latency target (`target_canvas_ms`): once the engine has measured its step time (`Step.step_seconds`), each
 canvas of a request that asks gets the step budget that fits it (`max_denoising_steps`, capped by the request's own,
 which its slot keeps) and the temperature schedule of that budget (`Canvas.reschedule`), after its first step;
-every schedule starts at t_max, so that first step is the same either way. The rule: sampling/target_canvas_ms.py."""
+every schedule starts at t_max, so that first step is the same either way. The rule: sampling/target_canvas_ms.py.
+The one diffusion option decided by the clock: its outputs follow the machine's load, not only the seed."""
 
 from __future__ import annotations
 
