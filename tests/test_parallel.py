@@ -57,15 +57,17 @@ def _rank(rank: int, port: int, tiny: str, out: str) -> None:
     demo = dgemma.load(dtype="float32", tensor_parallel_size=WORLD)
     results["ids"] = (single.token_ids, demo.generate(PROMPT, **kwargs).token_ids)
     results["unseeded"] = demo.generate(PROMPT, max_new_tokens=16).token_ids
-    for mode, sampling in (("autoregressive", "fast"), ("diffusion", "reference")):
+    for mode, sampling in (("autoregressive", "fast"), ("diffusion", "reference"), ("speculative", "fast")):
         kwargs = dict(max_new_tokens=8, seed=1, mode=mode, sampling=sampling)
         results[mode, sampling] = (single_model.generate(PROMPT, **kwargs).token_ids,
                                    demo.generate(PROMPT, **kwargs).token_ids)
     for name, options in (("timed", {"target_canvas_ms": 50.0}), ("speculative", {"mode": "speculative"})):
+        demo.speculative_pacing = "timed"
         try:
             demo.generate(PROMPT, max_new_tokens=4, **options)
         except SamplingParamsError as e:
             results[name] = str(e)
+    demo.speculative_pacing = "counted"
     parallel.leave()
     torch.save(results, os.path.join(out, f"{rank}.pt"))
 
@@ -121,7 +123,7 @@ def test_generated_ids_match_one_process(ranks):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", [("autoregressive", "fast"), ("diffusion", "reference")])
+@pytest.mark.parametrize("mode", [("autoregressive", "fast"), ("diffusion", "reference"), ("speculative", "fast")])
 def test_other_decodings_match_one_process(ranks, mode):
     single, tp = ranks[0][mode]
     assert tp == single and len(single) > 4
@@ -129,7 +131,7 @@ def test_other_decodings_match_one_process(ranks, mode):
 
 @pytest.mark.slow
 def test_wall_time_decisions_are_refused(ranks):
-    assert "target_canvas_ms" in ranks[0]["timed"] and "speculative" in ranks[0]["speculative"]
+    assert "target_canvas_ms" in ranks[0]["timed"] and "timed speculative pacing" in ranks[0]["speculative"]
 
 
 def test_shapes_that_do_not_split_are_refused():

@@ -127,7 +127,7 @@ class Model:
         eos = params.eos_token_ids or ()
         params.check_decoding(mode, sampling, eos, self.tokenizer is not None)
         if self.module.parallel is not None:
-            parallel.check_request(params, mode)
+            parallel.check_request(params, mode, self.speculative_pacing)
         params.validate(self.module.cfg.text.vocab_size, self.max_context, len(ids), limits, self.cache_bytes)
         if params.stop and self.tokenizer is None:
             raise SamplingParamsError("stop strings need a tokenizer; this checkpoint has none", "stop")

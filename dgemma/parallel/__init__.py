@@ -15,15 +15,15 @@ from dgemma.parallel.shard import shard, weight_bytes
 __all__ = ["Group", "check_request", "join", "leave", "shard", "weight_bytes"]
 
 # Decoding that follows the clock: each rank would measure its own and choose differently.
-TIMED_MODES = ("speculative",)  # drafting is paced by measured rates (engine/speculative.py)
 TIMED_FIELDS = ("target_canvas_ms",)  # the steps a canvas gets follow the measured step time
 
 
-def check_request(params, mode: str) -> None:
-    """Refuse what would take the ranks out of lockstep."""
-    if mode in TIMED_MODES:
-        raise SamplingParamsError(f"mode {mode} is paced by wall time, which differs between ranks: not supported "
-                                  "under tensor parallelism", "mode")
+def check_request(params, mode: str, speculative_pacing: str = "counted") -> None:
+    """Refuse what would take the ranks out of lockstep (speculative drafting paced by the clock, `timed`; the
+    default counted pacing decides from committed ids, the same on every rank)."""
+    if mode == "speculative" and speculative_pacing == "timed":
+        raise SamplingParamsError("timed speculative pacing follows wall time, which differs between ranks: not "
+                                  "supported under tensor parallelism (the default counted pacing is)", "mode")
     for name in TIMED_FIELDS:
         if getattr(params, name, None) is not None:
             raise SamplingParamsError(f"{name} follows each rank's wall time: not supported under tensor "
