@@ -162,11 +162,10 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "seconds_per_token": sum(r["seconds"] for r in rows) / max(1, tokens)}
 
 
-def paired(a: list[dict[str, Any]], b: list[dict[str, Any]], key) -> dict[str, float]:
-    """Mean and standard error of key(a_i) - key(b_i) over the same (prompt, seed) pairs."""
+def paired(a: list[dict[str, Any]], b: list[dict[str, Any]], key) -> dict[str, float | None]:
+    """Mean and standard error (None from one pair) of key(a_i) - key(b_i) over the same (prompt, seed) pairs."""
     d = [key(x) - key(y) for x, y in zip(a, b) if key(x) is not None and key(y) is not None]
-    se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("inf")
-    return {"mean": statistics.fmean(d), "se": se}
+    return {"mean": statistics.fmean(d), "se": statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else None}
 
 
 def invented_share(r: dict[str, Any]) -> float | None:
@@ -191,14 +190,16 @@ def choose(rows: dict[str, list], current: str) -> tuple[str, dict[str, Any]]:
         ok = (c["d_bpb"]["mean"] < 0 and c["d_invented_rate"] < 0 and c["d_invented"]["mean"] < 0
               and c["time_ratio"] <= 1 + TIME_SLACK and c["d_repeat3"] <= REPEAT_SLACK)
         z = min(_z(c["d_bpb"]), _z(c["d_invented"]))
-        c["eligible"], c["z"] = ok, z
+        c["eligible"], c["z"] = ok, z if math.isfinite(z) else None  # JSON has no infinity
         if ok and z > best_z:
             best, best_z = name, z
     return best, vs
 
 
-def _z(d: dict[str, float]) -> float:
-    """How many standard errors better (a lower value) a paired difference is."""
+def _z(d: dict[str, float | None]) -> float:
+    """How many standard errors better (a lower value) a paired difference is (0 from a single pair)."""
+    if d["se"] is None:
+        return 0.0
     return -d["mean"] / d["se"] if d["se"] > 0 else -math.copysign(math.inf, d["mean"]) if d["mean"] else 0.0
 
 
@@ -252,10 +253,14 @@ def table(stage: dict[str, Any]) -> str:
         mark = "*" if name == stage["pick"] else ("+" if c.get("eligible") else " ")
         lines.append(f"{mark}{name:<27} {s['bpb']:6.3f} {s['shuffle_gain_bpb']:8.3f} {100 * s['invented_rate']:7.2f} "
                      f"{100 * s['repeat3']:6.2f} {s['tokens_per_pass']:8.2f} {1e3 * s['seconds_per_token']:7.2f} "
-                     f"{c['d_bpb']['mean']:+7.3f} ({c['d_bpb']['se']:.3f}) "
-                     f"{100 * c['d_invented']['mean']:+5.2f} ({100 * c['d_invented']['se']:.2f}) "
+                     f"{c['d_bpb']['mean']:+7.3f} ({_se(c['d_bpb'], 1)}) "
+                     f"{100 * c['d_invented']['mean']:+5.2f} ({_se(c['d_invented'], 100)}) "
                      f"{c['time_ratio']:5.2f}")
     return "\n".join(lines)
+
+
+def _se(d: dict[str, float | None], scale: float) -> str:
+    return "-" if d["se"] is None else f"{scale * d['se']:.{3 if scale == 1 else 2}f}"
 
 
 # ---- command line -------------------------------------------------------------------------------------------------
