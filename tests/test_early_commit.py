@@ -264,8 +264,9 @@ def test_drafts_show_only_what_is_not_committed_yet(model, early_commit):
 
 # ---- early_commit_cache: the frozen prefix moves into the KV cache ---------------------------------------------
 def _params(model, seed=1, **kw):
-    return model.defaults.replace(**{"max_new_tokens": 96, "seed": seed, "early_commit": 1, "early_commit_cache": True}
-                                  | kw)
+    # 32 steps (the demo's budget before issue 43): room for a prefix to freeze well before its canvas ends
+    return model.defaults.replace(**{"max_new_tokens": 96, "seed": seed, "early_commit": 1, "early_commit_cache": True,
+                                     "max_denoising_steps": 32} | kw)
 
 
 def _spy(monkeypatch, model, name):
