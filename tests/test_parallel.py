@@ -241,8 +241,8 @@ def test_expert_shards_sum_to_the_whole_layer(monkeypatch):
 @pytest.mark.slow
 def test_serve_under_tensor_parallelism(tmp_path):
     """`dgemma serve -tp 2`: rank 0 serves, rank 1 follows its engine; concurrent requests (streamed and whole,
-    batched together) give one process's text for each seed; SIGTERM drains an in-flight request, then every rank
-    exits."""
+    batched together) and an image chat give one process's text for each seed; SIGTERM drains an in-flight request,
+    then every rank exits."""
     import json
     import signal
     import subprocess
@@ -276,6 +276,10 @@ def test_serve_under_tensor_parallelism(tmp_path):
             got = list(pool.map(lambda s: ask(s, s % 2 == 1), range(4)))
         one = dgemma.load(dtype="float32")
         assert got == [one.generate([*PROMPT[:4], 77 + s], max_new_tokens=16, seed=s).text for s in range(4)]
+        image = _image_chat()  # rank 0's tower runs; its features travel to rank 1 with the prompt
+        answer = httpx.post(url + "/v1/chat/completions", json={"messages": image, "max_tokens": 16, "seed": 5},
+                            timeout=120).json()["choices"][0]["message"]["content"]
+        assert answer == one.generate(image, max_new_tokens=16, seed=5).text
         with ThreadPoolExecutor(1) as pool:
             late = pool.submit(ask, 9, False, 96)
             time.sleep(1.0)
@@ -287,6 +291,20 @@ def test_serve_under_tensor_parallelism(tmp_path):
         if launcher.poll() is None:
             launcher.kill()
         subprocess.run(["pkill", "-f", f"--port {port}"])
+
+
+def _image_chat() -> list[dict]:
+    import base64
+    import io
+
+    from PIL import Image
+
+    pixels = torch.randint(0, 256, (30, 40, 3), generator=torch.Generator().manual_seed(7), dtype=torch.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels.numpy()).save(out, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "What is this?"}]}]
 
 
 def _ready(url: str) -> bool:

@@ -66,6 +66,18 @@ class SoftTokens:
                 self.bytes -= self.entries.popitem(last=False)[1][1].nbytes
         return _range(base, feats)
 
+    def adopt(self, ids: list[int], held: tuple[torch.Tensor, ...]) -> None:
+        """Place another process's image ids: each run of soft-token ids in `ids`, in order, gets the features of
+        `held` in order (a prompt made on tensor-parallel rank 0, whose features travel with it); whoever holds
+        `held` keeps them placeable, as with `HeldIds`."""
+        runs = [t for i, t in enumerate(ids) if t >= self.vocab and (i == 0 or ids[i - 1] != t - 1)]
+        if len(runs) != len(held):
+            raise DgemmaError(f"{len(runs)} runs of image ids but {len(held)} images' features")
+        with self.lock:
+            for base, feats in zip(runs, held):
+                self.live[base] = feats
+                self.next_id = max(self.next_id, base + feats.shape[0])
+
     def check(self, ids: list[int]) -> None:
         """Refuse ids past the vocabulary whose features are gone (the request's own error, before it runs)."""
         if not ids or max(ids) < self.vocab:

@@ -3,7 +3,8 @@ rank `follow`s. The leader sends the calls that change its engine (requests adde
 tidying, a fresh engine after a failure, the end) to the followers, one broadcast per step with the calls queued
 since the last one, and the followers make the same calls on their own engines, so the model's all-reduces meet and
 every rank's state stays the same. A request without a seed gets one here, so the ranks draw alike; a request rank 0
-refuses is never sent."""
+refuses is never sent. An image prompt travels with its features (rank 0's vision tower ran once), placed under
+rank 0's soft-token ids on every rank."""
 
 from __future__ import annotations
 
@@ -90,6 +91,8 @@ def follow(make_engine: Callable[[], Any], group: Group) -> None:
 def _make(engine: Any, call: str, arg: Any, make_engine: Callable[[], Any]) -> Any:
     if call == "add":
         prompt, params, request_id, drafts = arg
+        if getattr(prompt, "held", ()):  # an image prompt: rank 0's soft-token ids with their features
+            engine.model.soft_tokens.adopt(prompt, prompt.held)
         engine.add_request(prompt, params, request_id=request_id, drafts=drafts)
     elif call == "abort":
         engine.abort(arg)

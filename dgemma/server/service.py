@@ -172,8 +172,6 @@ class Service:
         limit = self.model.prompt_limit(self.config.limits)
         part = planning.partition(key, body.cache_salt)
         for prompt in prompts:
-            if has_parts(prompt) and self.model.module.parallel is not None:
-                raise bad_request("images are not served under tensor parallelism yet", param)
             try:
                 # the loop never tokenizes (nor compiles a grammar, nor builds a layout): one hop does it all
                 ids, params = await self.off_loop(planning.prepare, self.model, self.config, body, prompt, limit,
