@@ -81,12 +81,16 @@ def _set(body: dict, path: str, value) -> dict:
     body = json.loads(json.dumps(body))
     *keys, last = path.split(".")
     node = body
-    for k in keys:
+    for k in keys:  # a scalar on the way (an earlier mutation) becomes a container again
         k = int(k) if k.isdigit() else k
         if isinstance(node, list):
-            node = node[k] if k < len(node) else node[0]
-        else:
-            node = node.setdefault(k, [{}] if last.isdigit() or k in ("messages", "tool_calls") else {})
+            node += [] if node else [{}]
+            k = k if isinstance(k, int) and k < len(node) else 0
+            if not isinstance(node[k], (dict, list)):
+                node[k] = {}
+        elif not isinstance(node.get(k), (dict, list)):
+            node[k] = [{}] if last.isdigit() or k in ("messages", "tool_calls") else {}
+        node = node[k]
     if isinstance(node, list):
         node[:1] = [value]
     elif isinstance(node, dict):
