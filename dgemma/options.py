@@ -54,7 +54,7 @@ FIELD_MODES: dict[str, tuple[str, ...]] = {
     "ar_temperature": AUTOREGRESSIVE,
     **{o.name: o.modes for o in OPTIONS},
 }
-REFERENCE_SAMPLING = {"logprobs", "thought_budget", *(o.name for o in OPTIONS)}  # fields the reference sampler cannot follow
+REFERENCE_SAMPLING = {"logprobs", "max_thinking_tokens", *(o.name for o in OPTIONS)}  # fields the reference sampler cannot follow
 
 
 def check_modes(given: Iterable[str], mode: str, sampling: str = "fast") -> None:

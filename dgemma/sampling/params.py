@@ -204,8 +204,10 @@ class SamplingParams:
         check_modes(self.asked(), mode, sampling)
 
     def asked(self) -> list[str]:
-        """The fields that are off unless set, set to something other than off."""
-        values = {n: getattr(self, n) for n in ("logprobs", "thought_budget", *(o.name for o in OPTIONS))}
+        """The fields that are off unless set, set to something other than off (the thinking budget by its request
+        name, max_thinking_tokens)."""
+        values = {n: getattr(self, n) for n in ("logprobs", *(o.name for o in OPTIONS))}
+        values["max_thinking_tokens"] = self.thought_budget
         return [n for n, v in values.items() if v is not None and v is not False and v not in OFF.get(n, ())]
 
     def validate(self, vocab_size: int | None = None, max_context: int | None = None, prompt_len: int = 0,
