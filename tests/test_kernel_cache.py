@@ -171,3 +171,18 @@ def test_quantize_on_load_is_cached_per_scheme(float_ckpt, tmp_path, monkeypatch
     assert all(torch.equal(w.packed, _weights(second)[k].packed) for k, w in _weights(first).items())
     plain = open_checkpoint(src, "auto", "cpu", False, None)[0]  # float: nothing int4, nothing cached for it
     assert not _weights(plain) and len(_cache_files(src)) == 1
+
+
+def test_one_writer_at_a_time(ckpt, monkeypatch, caplog):
+    """While another process holds the lock (replicas started together), a load repacks and writes nothing."""
+    import fcntl
+
+    from dgemma.api.checkpoint import _resolve_dtype
+
+    cache = kernel_cache.open_cache(ckpt, _resolve_dtype("auto", ckpt, torch.device("cpu")), None)
+    cache.path.parent.mkdir(parents=True)
+    with open(cache.path.with_name(f".{cache.path.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with caplog.at_level(logging.WARNING, logger=kernel_cache.__name__):
+            Repacks(monkeypatch).load(ckpt)
+    assert not _cache_files(ckpt) and "not writing the kernel cache" in caplog.text

@@ -26,6 +26,11 @@ from pathlib import Path
 
 import torch
 
+try:
+    import fcntl
+except ImportError:  # Windows: no lock, the rename still keeps readers safe
+    fcntl = None
+
 from dgemma.quant import int4cpu
 from dgemma.quant.int4cpu import CPUInt4Weight
 from dgemma.weights.files import readable
@@ -75,15 +80,18 @@ class KernelCache:
             return False
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if shutil.disk_usage(self.path.parent).free < size + (1 << 30):
-                log.warning("not writing the kernel cache %s: under %.1f GB free", self.path, size / 1e9 + 1)
-                return False
-            t0 = time.perf_counter()
-            shapes = {n: list(w.shape) for n, w in weights.items()}
-            write(self.path, tensors, {"dgemma.key": self.key, "dgemma.shapes": json.dumps(shapes)})
+            with open(self.path.with_name(f".{self.path.name}.lock"), "w") as lock:
+                if fcntl is not None:  # replicas loading at once: one of them writes
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if shutil.disk_usage(self.path.parent).free < size + (1 << 30):
+                    log.warning("not writing the kernel cache %s: under %.1f GB free", self.path, size / 1e9 + 1)
+                    return False
+                t0 = time.perf_counter()
+                shapes = {n: list(w.shape) for n, w in weights.items()}
+                write(self.path, tensors, {"dgemma.key": self.key, "dgemma.shapes": json.dumps(shapes)})
             log.info("wrote the kernel cache %s (%.2f GB, %.1f s)", self.path, size / 1e9, time.perf_counter() - t0)
             return True
-        except OSError as e:
+        except OSError as e:  # BlockingIOError: another process is writing it
             log.warning("not writing the kernel cache %s (%s)", self.path, e)
             return False
 
