@@ -186,3 +186,13 @@ def test_one_writer_at_a_time(ckpt, monkeypatch, caplog):
         with caplog.at_level(logging.WARNING, logger=kernel_cache.__name__):
             Repacks(monkeypatch).load(ckpt)
     assert not _cache_files(ckpt) and "not writing the kernel cache" in caplog.text
+
+
+def test_hub_snapshots_keep_their_folder_clean(tmp_path, monkeypatch):
+    """A checkpoint inside the Hugging Face cache gets its kernel cache in dgemma's own cache folder."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv(kernel_cache.ENV, raising=False)
+    snap = tmp_path / "hub" / "models--org--name" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    assert kernel_cache._location(snap).is_relative_to(tmp_path / "xdg" / "dgemma" / "kernels")
+    assert kernel_cache._location(tmp_path) == tmp_path / kernel_cache.DIRNAME

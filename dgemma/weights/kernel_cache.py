@@ -2,15 +2,16 @@
 after a load that repacked them and memory-mapped by every later load, so a load costs what reading the file costs.
 
 One safetensors file per checkpoint and environment, `.dgemma-cache/int4cpu-<env>.safetensors` in the checkpoint
-directory (or, when that is not writable, under `$XDG_CACHE_HOME/dgemma/kernels/<directory hash>/`;
-`DGEMMA_KERNEL_CACHE=off` disables it, `=DIR` puts it under DIR). Per converted weight P: `P.packed` (uint8, torch's
-layout), `P.scales` (float16; an expert stack's transposed [E, K/g, N], the order it keeps them in) and, for 2D
-weights, `P.scale_zero` (the kernel's bf16 table). The file's metadata holds the key it was written for: the format
-version, torch's version, the CPU capability and probed layout, the dtype and quantization spec, and each checkpoint
-file's name, size, mtime and header hash. Anything different, a file of the wrong size, a malformed header or a
-sampled checksum that fails, and the cache is ignored (a warning): the load repacks and writes it again. Writes go to
-a temporary file that is renamed into place (concurrent loads never see half a file). Small models (under
-`MIN_BYTES` of int4 weights, whose repacking takes well under a second) write nothing.
+directory (when that is not writable or is a Hugging Face cache snapshot, under `$XDG_CACHE_HOME/dgemma/kernels/
+<directory hash>/`; `DGEMMA_KERNEL_CACHE=off` disables it, `=DIR` puts it under DIR). Per converted weight P:
+`P.packed` (uint8, torch's layout), `P.scales` (float16; an expert stack's transposed [E, K/g, N], the order it
+keeps them in) and, for 2D weights, `P.scale_zero` (the kernel's bf16 table). The file's metadata holds the key it
+was written for: the format version, torch's version, the CPU capability and probed layout, the dtype and
+quantization spec, and each checkpoint file's name, size, mtime and header hash. Anything different, a file of the
+wrong size, a malformed header or a sampled checksum that fails, and the cache is ignored (a warning): the load
+repacks and writes it again. Writes go to a temporary file that is renamed into place (concurrent loads never see
+half a file). Small models (under `MIN_BYTES` of int4 weights, whose repacking takes well under a second) write
+nothing.
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ def _location(directory: Path) -> Path:
     if setting:
         return Path(setting).expanduser() / _digest(str(directory.resolve()))
     beside = directory / DIRNAME
-    if os.access(beside if beside.is_dir() else directory, os.W_OK):
+    hub = any(part.startswith("models--") for part in directory.resolve().parts)  # the Hugging Face cache's own
+    if not hub and os.access(beside if beside.is_dir() else directory, os.W_OK):
         return beside
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return root / "dgemma" / "kernels" / _digest(str(directory.resolve()))
