@@ -196,3 +196,38 @@ def test_hub_snapshots_keep_their_folder_clean(tmp_path, monkeypatch):
     snap.mkdir(parents=True)
     assert kernel_cache._location(snap).is_relative_to(tmp_path / "xdg" / "dgemma" / "kernels")
     assert kernel_cache._location(tmp_path) == tmp_path / kernel_cache.DIRNAME
+
+
+def test_gguf_files_are_cached_beside_them(tmp_path, monkeypatch):
+    """A Q4_0 GGUF file (llama.cpp's format; int4 weights bit for bit): the second load repacks nothing and its
+    weights are the same; touching the file invalidates the cache."""
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    pytest.importorskip("gguf")
+    from gguf import GGMLQuantizationType as Q
+    from gguf_writer import write_gguf
+
+    def script(name):
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    monkeypatch.setattr(kernel_cache, "MIN_BYTES", 0)
+    monkeypatch.delenv(kernel_cache.ENV, raising=False)
+    src = tmp_path / "ckpt"
+    script("build_bench_checkpoint").build(src, hidden=64, layers=2, vocab=512, canvas=16, experts=4)
+    path = write_gguf(script("gguf_checkpoint").prepare(src), tmp_path / "m.gguf", Q.Q4_0)
+    repacks = Repacks(monkeypatch)
+    first = _weights(repacks.load(path))
+    assert repacks.n == len(first) > 0
+    assert len(list((tmp_path / kernel_cache.DIRNAME).glob("m.gguf.int4cpu-*.safetensors"))) == 1
+    second = _weights(repacks.load(path))
+    assert repacks.n == 0
+    assert all(torch.equal(w.packed, second[k].packed) and torch.equal(w.scales, second[k].scales)
+               for k, w in first.items())
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    repacks.load(path)
+    assert repacks.n == len(first)

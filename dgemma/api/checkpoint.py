@@ -52,11 +52,12 @@ def open_checkpoint(path_or_repo: str | Path | None, dtype: str | torch.dtype, d
     stored = spec if spec is None or spec.requantizes else None
     dtype, reader = _resolve_dtype(dtype, directory, device), torch.device("cpu") if group else device
     repacks = device.type == "cpu" and int4cpu.available()  # int4 weights into torch's CPU layout
-    cache = open_cache(directory, dtype, stored and stored.name) if repacks and not gguf and group is None else None
+    cache = open_cache(directory, dtype, stored and stored.name) if repacks and group is None else None
+    built = cache.weights() if cache else None
     if gguf:
-        module, tokenizer, generation = load_gguf_model(directory, dtype, reader, stored)
+        module, tokenizer, generation = load_gguf_model(directory, dtype, reader, stored, built)
     else:
-        module = load_model(directory, dtype, reader, stored, cache.weights() if cache else None)
+        module = load_model(directory, dtype, reader, stored, built)
         tokenizer, generation = Tokenizer.maybe_load(directory), read_json(directory / "generation_config.json")
     if group is not None:
         parallel.shard(module, group)

@@ -2,16 +2,16 @@
 after a load that repacked them and memory-mapped by every later load, so a load costs what reading the file costs.
 
 One safetensors file per checkpoint and environment, `.dgemma-cache/int4cpu-<env>.safetensors` in the checkpoint
-directory (when that is not writable or is a Hugging Face cache snapshot, under `$XDG_CACHE_HOME/dgemma/kernels/
-<directory hash>/`; `DGEMMA_KERNEL_CACHE=off` disables it, `=DIR` puts it under DIR). Per converted weight P:
-`P.packed` (uint8, torch's layout), `P.scales` (float16; an expert stack's transposed [E, K/g, N], the order it
-keeps them in) and, for 2D weights, `P.scale_zero` (the kernel's bf16 table). The file's metadata holds the key it
-was written for: the format version, torch's version, the CPU capability and probed layout, the dtype and
-quantization spec, and each checkpoint file's name, size, mtime and header hash. Anything different, a file of the
-wrong size, a malformed header or a sampled checksum that fails, and the cache is ignored (a warning): the load
-repacks and writes it again. Writes go to a temporary file that is renamed into place (concurrent loads never see
-half a file). Small models (under `MIN_BYTES` of int4 weights, whose repacking takes well under a second) write
-nothing.
+directory (`.dgemma-cache/FILE.gguf.int4cpu-<env>.safetensors` beside a GGUF file; when that is not writable or is a
+Hugging Face cache snapshot, under `$XDG_CACHE_HOME/dgemma/kernels/<hash>/`; `DGEMMA_KERNEL_CACHE=off`
+disables it, `=DIR` puts it under DIR). Per converted weight P: `P.packed` (uint8, torch's layout), `P.scales`
+(float16; an expert stack's transposed [E, K/g, N], the order it keeps them in) and, for 2D weights, `P.scale_zero`
+(the kernel's bf16 table). The file's metadata holds the key it was written for: the format version, torch's
+version, the CPU capability and probed layout, the dtype and quantization spec, and each checkpoint file's name,
+size, mtime and header hash. Anything different, a file of the wrong size, a malformed header or a sampled checksum
+that fails, and the cache is ignored (a warning): the load repacks and writes it again. Writes go to a temporary
+file that is renamed into place (concurrent loads never see half a file). Small models (under `MIN_BYTES` of int4
+weights, whose repacking takes well under a second) write nothing.
 """
 
 from __future__ import annotations
@@ -52,14 +52,14 @@ class CacheError(ValueError):
 
 
 class KernelCache:
-    """The cache of one checkpoint directory, dtype and quantization spec in this environment."""
+    """The cache of one checkpoint (a directory, or a GGUF file), dtype and quantization spec in this environment."""
 
-    def __init__(self, directory: Path, dtype: torch.dtype, spec_name: str | None):
+    def __init__(self, source: Path, dtype: torch.dtype, spec_name: str | None):
         env = {"version": VERSION, "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
                "layout": list(int4cpu.layout() or ()), "dtype": str(dtype), "quantize": spec_name}
-        digest = _digest(env)
-        self.path = _location(directory) / f"int4cpu-{digest}.safetensors"
-        self.key = json.dumps({**env, "files": fingerprint(directory)}, sort_keys=True)
+        stem = f"{source.name}." if source.is_file() else ""  # GGUF files: one cache each, beside them
+        self.path = _location(source) / f"{stem}int4cpu-{_digest(env)}.safetensors"
+        self.key = json.dumps({**env, "files": fingerprint(source)}, sort_keys=True)
         self.dtype = dtype
 
     def weights(self) -> dict[str, CPUInt4Weight]:
@@ -97,48 +97,47 @@ class KernelCache:
             return False
 
 
-def open_cache(directory: Path, dtype: torch.dtype, spec_name: str | None) -> KernelCache | None:
-    """The cache for a checkpoint directory, or None when disabled (`DGEMMA_KERNEL_CACHE=off`) or of no use here."""
+def open_cache(source: Path, dtype: torch.dtype, spec_name: str | None) -> KernelCache | None:
+    """The cache for a checkpoint directory or GGUF file, or None when disabled (`DGEMMA_KERNEL_CACHE=off`) or of
+    no use here."""
     if os.environ.get(ENV, "").lower() in ("0", "off", "no", "false") or int4cpu.layout() is None:
         return None
-    if not directory.is_dir():
-        return None
-    return KernelCache(directory, dtype, spec_name)
+    return KernelCache(source, dtype, spec_name)
 
 
-def fingerprint(directory: Path) -> list:
+def fingerprint(source: Path) -> list:
     """[name, size, mtime_ns, header hash] of every file a load reads tensors or the config from."""
-    names = {"config.json", "model.safetensors.index.json"} | {p.name for p in directory.glob("*.safetensors")}
-    out = []
-    for name in sorted(names):
-        path = directory / name
-        if not path.is_file():
-            continue
-        st = path.stat()
-        out.append([name, st.st_size, st.st_mtime_ns, _header_hash(path)])
-    return out
+    if source.is_file():
+        paths = [source]
+    else:
+        names = {"config.json", "model.safetensors.index.json"} | {p.name for p in source.glob("*.safetensors")}
+        paths = [source / n for n in sorted(names) if (source / n).is_file()]
+    return [[p.name, p.stat().st_size, p.stat().st_mtime_ns, _header_hash(p)] for p in paths]
 
 
 def _header_hash(path: Path) -> str:
-    """sha256 of a safetensors file's header (of a JSON file: of all of it)."""
+    """sha256 of a safetensors file's header (a JSON file: all of it; a GGUF file: its first MB)."""
     with open(path, "rb") as f:
-        if path.suffix != ".safetensors":
+        if path.suffix == ".json":
             return hashlib.sha256(f.read()).hexdigest()[:32]
+        if path.suffix != ".safetensors":
+            return hashlib.sha256(f.read(1 << 20)).hexdigest()[:32]
         head = f.read(8)
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
         return hashlib.sha256(head + f.read(min(n, 100 << 20))).hexdigest()[:32]
 
 
-def _location(directory: Path) -> Path:
+def _location(source: Path) -> Path:
     setting = os.environ.get(ENV, "")
     if setting:
-        return Path(setting).expanduser() / _digest(str(directory.resolve()))
+        return Path(setting).expanduser() / _digest(str(source.resolve()))
+    directory = source if source.is_dir() else source.parent
     beside = directory / DIRNAME
     hub = any(part.startswith("models--") for part in directory.resolve().parts)  # the Hugging Face cache's own
     if not hub and os.access(beside if beside.is_dir() else directory, os.W_OK):
         return beside
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "dgemma" / "kernels" / _digest(str(directory.resolve()))
+    return root / "dgemma" / "kernels" / _digest(str(source.resolve()))
 
 
 def _digest(value) -> str:
