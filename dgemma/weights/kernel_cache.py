@@ -67,7 +67,9 @@ class KernelCache:
         if not self.path.is_file():
             return {}
         try:
-            return read(self.path, self.key, self.dtype)
+            weights = read(self.path, self.key, self.dtype)
+            log.info("memory-mapped %d int4 weights from the kernel cache %s", len(weights), self.path)
+            return weights
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
             log.warning("ignoring the kernel cache %s (%s): repacking", self.path, e)
             return {}
