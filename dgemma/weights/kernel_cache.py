@@ -104,7 +104,11 @@ def open_cache(source: Path, dtype: torch.dtype, spec_name: str | None) -> Kerne
     no use here."""
     if os.environ.get(ENV, "").lower() in ("0", "off", "no", "false") or int4cpu.layout() is None:
         return None
-    return KernelCache(source, dtype, spec_name)
+    try:
+        return KernelCache(source, dtype, spec_name)
+    except OSError as e:  # a file that cannot be stat'ed or hashed: the load itself will say what is wrong
+        log.warning("no kernel cache for %s (%s)", source, e)
+        return None
 
 
 def fingerprint(source: Path) -> list:
