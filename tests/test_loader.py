@@ -235,3 +235,14 @@ def test_bundled_model_first_run_is_clean():
     r = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "MISSING" not in r.stderr and "arn" not in r.stderr.replace("Loading weights", ""), r.stderr
+
+
+def test_loading_does_not_import_dynamo():
+    """The skeleton is built on the meta device without arithmetic there (torch's Python meta kernels import
+    torch._dynamo: ~1.3 s of every load, more than the rest of a load from the kernel cache)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, dgemma; dgemma.load(None, quantize='int4'); "
+            "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

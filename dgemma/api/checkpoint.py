@@ -15,6 +15,7 @@ from dgemma.quant import a8, int4cpu, parse_quantize
 from dgemma.sampling.fused import vocab_chunk
 from dgemma.tokenizer import Tokenizer
 from dgemma.weights import is_gguf, load_gguf_model, load_model, resolve_checkpoint
+from dgemma.weights.kernel_cache import open_cache
 
 DEMO_MODEL = Path(__file__).parent.parent / "assets" / "demo"
 DEMO_NAME = "demo"  # the bundled model's name (the server's model id for it), unless a local path has that name
@@ -52,16 +53,19 @@ def open_checkpoint(path_or_repo: str | Path | None, dtype: str | torch.dtype, d
         group, device = parallel.join(tensor_parallel_size, device)
     stored = spec if spec is None or spec.requantizes else None
     dtype, reader = _resolve_dtype(dtype, directory, device), torch.device("cpu") if group else device
+    repacks = device.type == "cpu" and int4cpu.available()  # int4 weights into torch's CPU layout
+    cache = open_cache(directory, dtype, stored and stored.name) if repacks and group is None else None
+    built = cache.weights() if cache else None
     if gguf:
-        module, tokenizer, generation = load_gguf_model(directory, dtype, reader, stored)
+        module, tokenizer, generation = load_gguf_model(directory, dtype, reader, stored, built)
     else:
-        module = load_model(directory, dtype, reader, stored)
+        module = load_model(directory, dtype, reader, stored, built)
         tokenizer, generation = Tokenizer.maybe_load(directory), read_json(directory / "generation_config.json")
     if group is not None:
         parallel.shard(module, group)
         module.to(device)
-    if device.type == "cpu" and int4cpu.available():
-        int4cpu.convert(module)
+    if repacks and int4cpu.convert(module) and cache is not None:
+        cache.store(module)  # the next load memory-maps what was just repacked (weights/kernel_cache.py)
     if spec is not None and spec.int8_activations and not a8.enable(module, module.embed_tokens.weight,
                                                                      vocab_chunk(device)):
         raise DgemmaError(f"quantize={spec.name}: {directory} has no quantized 2D weights to run with int8 "

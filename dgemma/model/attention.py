@@ -95,7 +95,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope(spec.sliding), self.head_dim), persistent=False)
+        with torch.device("cpu"):  # arithmetic on the meta device (a load's skeleton) would import torch._dynamo: 1.3 s
+            inv_freq = rope_inv_freq(cfg.rope(spec.sliding), self.head_dim)
+        self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()), persistent=False)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], parts: list[Part],
                 write: bool = True, keep: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:

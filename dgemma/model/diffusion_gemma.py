@@ -91,7 +91,9 @@ class DiffusionGemma(nn.Module):
         super().__init__()
         self.cfg = cfg
         t = cfg.text
-        self.embed_tokens = nn.Embedding(t.vocab_size, t.hidden_size)
+        # a load's skeleton (meta device) has nothing to initialise; normal_ there imports torch._dynamo: 1.3 s a load
+        skeleton = torch.empty(t.vocab_size, t.hidden_size) if torch.get_default_device().type == "meta" else None
+        self.embed_tokens = nn.Embedding(t.vocab_size, t.hidden_size, _weight=skeleton)
         self.layers = nn.ModuleList(Block(t, i) for i in range(t.num_hidden_layers))
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
         self.self_conditioning = SelfConditioning(t)

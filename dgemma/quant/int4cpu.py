@@ -102,13 +102,15 @@ class CPUInt4Weight(QuantizedWeight):
     format, bits = "int4", 4
     kernel_name = "torch int4 kernel (bf16)"
 
-    def __init__(self, packed: Tensor, scales: Tensor, shape: tuple[int, ...], dtype: torch.dtype):
+    def __init__(self, packed: Tensor, scales: Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+                 scale_zero: Tensor | None = None):
         super().__init__(shape, dtype)
         self.layout = layout()
         self.register_buffer("packed", packed)
-        if len(shape) == 2:  # the kernel's bf16 [K // g, N, 2] scales and zeros, built once
+        if len(shape) == 2:  # the kernel's bf16 [K // g, N, 2] scales and zeros, built once (or given: a cache's)
             self.register_buffer("scales", scales)
-            self.register_buffer("scale_zero", scale_tables([scales.T])[0], persistent=False)
+            table = scale_tables([scales.T])[0] if scale_zero is None else scale_zero
+            self.register_buffer("scale_zero", table, persistent=False)
         else:  # stored [E, K // g, N] (a transposed view): a call's tables are built from contiguous rows
             self.register_buffer("scales", scales.transpose(-1, -2).contiguous().transpose(-1, -2))
 

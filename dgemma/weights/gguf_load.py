@@ -35,8 +35,9 @@ _ALL = QuantSpec(8, 32, 8)  # quantizes everything quantizable: which params may
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-              quantize: QuantSpec | None = None) -> tuple[DiffusionGemma, GGUFFile]:
-    """The model of a GGUF file and the opened file; every check runs before any tensor is read."""
+              quantize: QuantSpec | None = None, built: dict | None = None) -> tuple[DiffusionGemma, GGUFFile]:
+    """The model of a GGUF file and the opened file; every check runs before any tensor is read. `built`: weights
+    already made (parameter name -> weight, from the kernel cache), installed instead of read."""
     from dgemma.weights.hf import _init_derived, _target_names
 
     f = GGUFFile(path)
@@ -51,7 +52,13 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
             raise CheckpointError(f"{f.path.name}: tensor {srcs[0]} has shape {list(got)}, expected {list(want)} "
                                   f"(dgemma's {param})")
     group = quantize.group_size if quantize is not None else 32
+    built = built or {}
     for param, srcs in sources.items():
+        if param in built:
+            if tuple(built[param].shape) != tuple(targets[param][0]):
+                raise CheckpointError(f"{param}: the kernel cache's weight has shape {list(built[param].shape)}")
+            install(model, param, built[param].to(device))
+            continue
         bits = target_bits(f, param, srcs, quantize)
         value = gguf_weight(f, param, srcs, tuple(targets[param][0]), bits, group, dtype, device)
         for s in srcs:
@@ -65,9 +72,10 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
 
 
 def load_gguf_model(path: str | Path, dtype: torch.dtype, device: str | torch.device,
-                    quantize: QuantSpec | None = None) -> tuple[DiffusionGemma, Tokenizer | None, dict[str, Any]]:
+                    quantize: QuantSpec | None = None,
+                    built: dict | None = None) -> tuple[DiffusionGemma, Tokenizer | None, dict[str, Any]]:
     """What `dgemma.load` needs from a GGUF file: the model, its tokenizer, its sampler defaults."""
-    model, f = load_gguf(path, dtype, device, quantize)
+    model, f = load_gguf(path, dtype, device, quantize, built)
     return model, gguf_tokenizer(f), f.generation_config()
 
 

@@ -120,9 +120,11 @@ def _is_persistent(model: torch.nn.Module, name: str) -> bool:
 
 
 def load_model(path_or_repo: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", quantize: QuantSpec | None = None) -> DiffusionGemma:
+               device: str | torch.device = "cpu", quantize: QuantSpec | None = None,
+               built: dict[str, QuantizedWeight] | None = None) -> DiffusionGemma:
     """Build the model on the meta device and materialise each tensor once, in `dtype`, from mmapped files;
-    with `quantize`, the weights it covers are quantized a chunk at a time straight from the memory map."""
+    with `quantize`, the weights it covers are quantized a chunk at a time straight from the memory map. `built`:
+    weights already made (parameter name -> weight, from the kernel cache), installed instead of read."""
     directory = resolve_checkpoint(path_or_repo)
     device = torch.device(device)
     cfg = read_config(directory)  # first: a wrong model_type is the error to report, whatever the files
@@ -134,7 +136,7 @@ def load_model(path_or_repo: str | Path, dtype: torch.dtype = torch.float32,
     by_ckpt = {checkpoint_name(n): n for n in targets}
     sources, consumed = _prequantized(directory, files, by_ckpt, targets, quantize)
     _check_names({n: f for n, f in files.items() if n not in consumed}, by_ckpt, set(sources))
-    _materialise(model, by_ckpt, targets, files, sources, quantize, dtype, device)
+    _materialise(model, by_ckpt, targets, files, sources, quantize, dtype, device, built or {})
     for ckpt_name, param in by_ckpt.items():
         if ckpt_name not in files and ckpt_name not in sources:
             log.warning("%s missing: the encoder uses the decoder's layer_scalar", ckpt_name)
@@ -144,8 +146,9 @@ def load_model(path_or_repo: str | Path, dtype: torch.dtype = torch.float32,
     return model.eval()
 
 
-def _materialise(model, by_ckpt, targets, files, sources, quantize, dtype, device) -> None:
-    """Every tensor of the checkpoint into the meta model: pre-quantized pieces, quantize-on-load, or plain."""
+def _materialise(model, by_ckpt, targets, files, sources, quantize, dtype, device, built) -> None:
+    """Every tensor of the checkpoint into the meta model: already built, pre-quantized pieces, quantize-on-load, or
+    plain."""
     handles: dict[Path, object] = {}
     direct: dict[Path, DirectReader] = {}
 
@@ -158,6 +161,10 @@ def _materialise(model, by_ckpt, targets, files, sources, quantize, dtype, devic
         return reader(files[name]).get(name)
 
     for ckpt_name, param in by_ckpt.items():
+        if param in built:
+            _check_shape(param, built[param].shape, targets[param][0])
+            install(model, param, built[param].to(device))
+            continue
         if ckpt_name in sources:
             value = read_prequantized(ckpt_name, sources[ckpt_name], get, files.__contains__, dtype).to(device)
             if isinstance(value, QuantizedWeight):
