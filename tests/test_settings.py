@@ -45,6 +45,8 @@ FLAGS = {
                                                                                           "c")),
     "mode": (["--mode", "autoregressive"], "autoregressive"),
     "speculative_pacing": (["--speculative-pacing", "timed"], "timed"),
+    "default_chat_template_kwargs": (["--default-chat-template-kwargs", '{"enable_thinking": true}'],
+                                     '{"enable_thinking": true}'),
     "log_level": (["--log-level", "debug"], "debug"),
     "access_log": (["--no-access-log"], False),
 }

@@ -257,3 +257,28 @@ def test_think_on_a_checkpoint_without_thinking_is_one_clear_line(capsys):
     assert main(["generate", "--think", "Hello", "--max-new-tokens", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no thinking mode" in err[0]
+
+
+def test_server_default_template_arguments(checkpoint, model):
+    """--default-chat-template-kwargs (vLLM's flag): a chat without its own arguments renders with thinking on; a
+    request's own value wins; /tokenize renders as the chat routes do."""
+    import httpx
+
+    from server_fixtures import start_server
+
+    s = start_server(checkpoint, loader=lambda: load_with_eos(checkpoint),
+                     default_chat_template_kwargs='{"enable_thinking": true}')
+    tok = model.tokenizer.tok
+    try:
+        def tokens(**extra) -> list[int]:
+            r = httpx.post(s.url + "/tokenize", json={"messages": CHAT, **extra}, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["tokens"]
+
+        assert tokens() == tok.encode(_rendered(CHAT, enable_thinking=True), add_special_tokens=False).ids
+        off = tokens(chat_template_kwargs={"enable_thinking": False})
+        assert off == tok.encode(_rendered(CHAT), add_special_tokens=False).ids
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(tokens())
+    finally:
+        s.stop()

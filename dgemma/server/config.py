@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
@@ -93,6 +94,9 @@ class ServerConfig:
                                              "others are refused). Required with a non-loopback --host; '*' accepts "
                                              "any", ("--allowed-hosts", "--allowed-host"), shown="none",
                                              metavar="NAME[,NAME]")
+    default_chat_template_kwargs: str | None = setting(
+        None, "chat template arguments every chat request gets unless it sets them itself (vLLM's flag): a JSON "
+        'object, e.g. \'{"enable_thinking": true}\' to think by default', shown="none", metavar="JSON")
     mode: str = setting(MODES[0], MODE_HELP, choices=MODES)
     speculative_pacing: str = setting(PACINGS[0], PACING_HELP, choices=PACINGS)
     log_level: str = setting("info", "server log level", choices=("debug", "info", "warning", "error"))
@@ -108,9 +112,22 @@ class ServerConfig:
             raise ConfigError("--api-key must not be empty")
         if self.metrics_key is not None and (not self.metrics_key or self.metrics_key in self.api_keys):
             raise ConfigError("--metrics-key must not be empty, nor one of the --api-key keys")
+        self.template_defaults()  # a bad --default-chat-template-kwargs: refused at start-up
         if not self.loopback and not self.allowed_hosts:
             raise ConfigError(f"--host {self.host} is not a loopback address: name the Host headers clients will "
                               "send with --allowed-hosts NAME[,NAME] (or --allowed-hosts '*' to accept any)")
+
+    def template_defaults(self) -> dict[str, Any]:
+        """--default-chat-template-kwargs as the object a request's chat_template_kwargs are laid over."""
+        if self.default_chat_template_kwargs is None:
+            return {}
+        from dgemma.chat.turn import check_template_kwargs
+        from dgemma.sampling import SamplingParamsError
+
+        try:
+            return check_template_kwargs(json.loads(self.default_chat_template_kwargs), None)
+        except (ValueError, SamplingParamsError) as e:
+            raise ConfigError(f"--default-chat-template-kwargs: {e}") from None
 
     @staticmethod
     def add_flags(p: argparse.ArgumentParser) -> None:
@@ -127,7 +144,7 @@ class ServerConfig:
             elif "action" not in options:
                 scalar = {"int": int, "float": float, "str": str}[f.type.split(" | ")[0]]  # the annotation's text
                 options = {"type": scalar, "default": f.default} | options
-                options |= {} if "choices" in options else {"metavar": metavar}
+                options = ({} if "choices" in options else {"metavar": metavar}) | options
             p.add_argument(*_flags(f), dest=f.name, help=help, **options)
         add_image_options(p, fetch=True)
 

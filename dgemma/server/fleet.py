@@ -14,7 +14,7 @@ from dgemma.errors import DgemmaError
 from dgemma.sampling import SamplingParamsError
 from dgemma.server import planning
 from dgemma.server.errors import bad_request
-from dgemma.server.protocol import DetokenizeRequest, TokenizeRequest
+from dgemma.server.protocol import DetokenizeRequest, TokenizeRequest, with_defaults
 from dgemma.server.responses import DetokenizeResponse, Load, ModelInfo, ServerInfo, TokenizeResponse
 from dgemma.server.service import Service
 
@@ -30,7 +30,8 @@ def install(api: APIRouter, app: FastAPI, service: Service, responses: Any) -> N
         try:
             field, value = body.input()
             part = planning.partition(request.state.key, None)
-            chat = model.prompts.turn(body.tools, template_kwargs=body.chat_template_kwargs) if body.messages else None
+            kwargs = with_defaults(body.chat_template_kwargs, service.config.template_defaults())
+            chat = model.prompts.turn(body.tools, template_kwargs=kwargs) if body.messages else None
             ids = await service.off_loop(_encode, model, field, value, body.add_special_tokens, chat, part)
         except SamplingParamsError as e:
             raise bad_request(str(e), e.param) from None

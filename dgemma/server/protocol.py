@@ -297,13 +297,14 @@ class ChatCompletionRequest(OpenAIRequest):
         tokens = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
         return {"max_new_tokens": tokens} | ({"logprobs": "top_logprobs"} if self.top_logprobs is not None else {})
 
-    def turn(self, tokenizer: Any = None) -> ChatTurn:
-        """The request's tool calls and template arguments, checked on the first call (SamplingParamsError naming
-        the field); `tokenizer` picks the checkpoint's own call syntax and thought channel."""
+    def turn(self, tokenizer: Any = None, defaults: dict[str, Any] | None = None) -> ChatTurn:
+        """The request's tool calls and template arguments (laid over the server's `defaults`), checked on the first
+        call (SamplingParamsError naming the field); `tokenizer` picks the checkpoint's own call syntax and thought
+        channel."""
         if self._turn is None:
             tools = tool_calls.ToolUse.of(self.tools or [], self.tool_choice, self.parallel_tool_calls,
                                           self.response_format, self.logprobs, tokenizer)
-            self._turn = ChatTurn.of(tools, self.chat_template_kwargs, tokenizer)
+            self._turn = ChatTurn.of(tools, with_defaults(self.chat_template_kwargs, defaults), tokenizer)
             self._turn.budget(self.max_thinking_tokens)  # refused without thinking: a 400 before model work
         return self._turn
 
@@ -335,6 +336,12 @@ class ChatCompletionRequest(OpenAIRequest):
     def chat(self) -> list[dict[str, Any]]:
         """The messages as `Model.encode_prompt` takes them (rendered there by `turn()`)."""
         return chat_messages(self.messages)
+
+
+def with_defaults(kwargs: Any, defaults: dict[str, Any] | None) -> Any:
+    """A request's chat_template_kwargs over the server's --default-chat-template-kwargs (a non-object is left for
+    the check to refuse)."""
+    return {**(defaults or {}), **(kwargs or {})} if isinstance(kwargs, dict) or kwargs is None else kwargs
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
