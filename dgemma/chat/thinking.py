@@ -23,7 +23,7 @@ class Channel:
     def of(cls, tokenizer: Any) -> Channel | None:
         """The channel of a tokenizer whose chat template writes it and whose vocabulary has its tokens."""
         template = getattr(tokenizer, "chat_template", None) or ""
-        if OPEN not in template or tokenizer is None:
+        if OPEN not in template:
             return None
         ids = [tokenizer.token_id(t) for t in (OPEN, CLOSE)]
         return None if None in ids else cls(*ids)

@@ -104,8 +104,7 @@ class OutputStream:
 
     def kept_answer(self) -> list[int]:
         """The answer's part of `kept_ids`."""
-        kept = self.kept_ids()
-        return kept[len(kept) - (len(self.answer) - (len(self.ids) - len(kept))):]
+        return self.kept_ids()[len(self.ids) - len(self.answer):]
 
     def feed(self, event: Event) -> list[StreamEvent]:
         if self.finish_reason is not None:
@@ -124,7 +123,7 @@ class OutputStream:
             self.ids.extend(event.token_ids)
             self.logprobs.extend(event.logprobs or [])
             thought, answer = self.split.push(event.token_ids) if self.split is not None else ([], event.token_ids)
-            reasoning = self.thought.push(thought) if self.thought is not None and not self.stopped else ""
+            reasoning = self.thought.push(thought) if self.thought is not None else ""
             self.answer.extend(answer)
             delta = self._push(answer)
             out = [StreamEvent("text", "" if self.tools else delta, event.token_ids, logprobs=event.logprobs,

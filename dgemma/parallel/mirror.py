@@ -16,9 +16,9 @@ from typing import Any
 import torch.distributed as dist
 
 from dgemma.parallel.group import Group
+from dgemma.sampling import MAX_SEED
 
 log = logging.getLogger("dgemma.parallel")
-MAX_SEED = 2**63 - 1
 
 
 class Leader:
@@ -30,7 +30,7 @@ class Leader:
 
     def add_request(self, prompt: list[int], params: Any, request_id: str | None = None, drafts: bool = False):
         if params.seed is None:
-            params = params.replace(seed=secrets.randbelow(MAX_SEED))
+            params = params.replace(seed=secrets.randbelow(MAX_SEED + 1))
         req = self.engine.add_request(prompt, params, request_id=request_id, drafts=drafts)  # refused: not sent
         self._queued.append(("add", (prompt, params, req.id, drafts)))
         return req

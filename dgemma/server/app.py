@@ -151,7 +151,7 @@ def _routes(api: APIRouter, service: Service) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         try:  # tools, tool_choice, template arguments checked first (the loaded tokenizer picks the syntax): a 400 before model work
             body.turn(service.model.tokenizer if service.model is not None else None,
-                      service.config.template_defaults())
+                      service.config.template_defaults)
             messages = body.chat()
         except SamplingParamsError as e:
             raise errors.bad_request(str(e), e.param) from None

@@ -97,15 +97,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _follow(args: argparse.Namespace, config: ServerConfig) -> int:
     """A rank > 0 of `dgemma serve -tp N`: load this rank's shard, then follow rank 0's engine until it stops."""
-    from dgemma.engine import PrefixCache
     from dgemma.parallel.mirror import follow
-    from dgemma.server.service import engines
+    from dgemma.server.service import engines, prefix_cache_for
 
     for s in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains and then tells this rank to stop
         signal.signal(s, signal.SIG_IGN)
     model = _load(args)
-    prefix_cache = PrefixCache(config.prefix_cache_mb << 20) if config.prefix_cache_mb else None
-    follow(engines(model, config, prefix_cache), model.module.parallel)
+    follow(engines(model, config, prefix_cache_for(config)), model.module.parallel)
     _leave()
     return 0
 

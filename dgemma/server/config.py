@@ -4,6 +4,7 @@ and admission, deadlines, and the security switches. Checked once at start-up.""
 from __future__ import annotations
 
 import argparse
+import functools
 import ipaddress
 import json
 from dataclasses import Field, dataclass, field, fields
@@ -112,13 +113,15 @@ class ServerConfig:
             raise ConfigError("--api-key must not be empty")
         if self.metrics_key is not None and (not self.metrics_key or self.metrics_key in self.api_keys):
             raise ConfigError("--metrics-key must not be empty, nor one of the --api-key keys")
-        self.template_defaults()  # a bad --default-chat-template-kwargs: refused at start-up
+        self.template_defaults  # noqa: B018 (parsed now: a bad --default-chat-template-kwargs is refused at start-up)
         if not self.loopback and not self.allowed_hosts:
             raise ConfigError(f"--host {self.host} is not a loopback address: name the Host headers clients will "
                               "send with --allowed-hosts NAME[,NAME] (or --allowed-hosts '*' to accept any)")
 
+    @functools.cached_property
     def template_defaults(self) -> dict[str, Any]:
-        """--default-chat-template-kwargs as the object a request's chat_template_kwargs are laid over."""
+        """--default-chat-template-kwargs as the object a request's chat_template_kwargs are laid over (parsed and
+        checked once)."""
         if self.default_chat_template_kwargs is None:
             return {}
         from dgemma.chat.turn import check_template_kwargs

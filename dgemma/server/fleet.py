@@ -30,7 +30,7 @@ def install(api: APIRouter, app: FastAPI, service: Service, responses: Any) -> N
         try:
             field, value = body.input()
             part = planning.partition(request.state.key, None)
-            kwargs = with_defaults(body.chat_template_kwargs, service.config.template_defaults())
+            kwargs = with_defaults(body.chat_template_kwargs, service.config.template_defaults)
             chat = model.prompts.turn(body.tools, template_kwargs=kwargs) if body.messages else None
             ids = await service.off_loop(_encode, model, field, value, body.add_special_tokens, chat, part)
         except SamplingParamsError as e:

@@ -49,7 +49,7 @@ class Service:
         self._tokenizing = asyncio.Semaphore(config.tokenizer_threads)
         self._imaging = asyncio.Semaphore(config.image_threads)  # image requests wait here, not for text threads
         self._image_pool = ThreadPoolExecutor(config.image_threads, "dgemma-image", initializer=_lower_priority)
-        self.prefix_cache = PrefixCache(config.prefix_cache_mb << 20) if config.prefix_cache_mb else None
+        self.prefix_cache = prefix_cache_for(config)
 
     # ---- life cycle -----------------------------------------------------------------------------------------
     def start_loading(self) -> None:
@@ -224,6 +224,11 @@ class Lease:
         self.service.in_use -= self.n
         self.service.tokens_in_use -= self.tokens
         self.n = self.tokens = 0
+
+
+def prefix_cache_for(config: ServerConfig) -> PrefixCache | None:
+    """The server's prefix cache (--prefix-cache-mb; 0: none); every tensor-parallel rank keeps its own alike."""
+    return PrefixCache(config.prefix_cache_mb << 20) if config.prefix_cache_mb else None
 
 
 def engines(model: Model, config: ServerConfig, prefix_cache: PrefixCache | None) -> Callable[[], Any]:
