@@ -1,4 +1,4 @@
-"""vLLM's /tokenize and /detokenize, and the routes routers read (/get_load, /server_info, /model_info): the ids
+"""vLLM's /tokenize, /detokenize and /render routes, and the routes routers read (/get_load, /server_info, /model_info): the ids
 are the ones the generation routes use (their usage counts them), the shapes are vLLM's and SGLang's, mistakes are
 400s naming the field, and the keyed routes want the key."""
 
@@ -31,6 +31,39 @@ def test_tokenize_counts_what_generation_counts(eos_server, openai_client):
     assert chat["count"] == reply.usage.prompt_tokens
 
 
+def test_render_gives_the_request_generation_runs(eos_server, openai_client):
+    """vLLM's token-in request: the ids the chat and completion routes encode (their usage counts them; /tokenize
+    lists them), and the sampling as the server resolves it (temperature 0 without a seed: seed 0)."""
+    rendered = _post(eos_server, "/v1/chat/completions/render", {"model": "tiny", "messages": CHAT,
+                                                                 "max_tokens": 3, "temperature": 0, "top_k": 5})
+    body = rendered.json()
+    assert rendered.status_code == 200 and body["request_id"].startswith("chatcmpl-")
+    tokens = _post(eos_server, "/tokenize", {"messages": CHAT}).json()["tokens"]
+    reply = openai_client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3)
+    assert body["token_ids"] == tokens and len(tokens) == reply.usage.prompt_tokens
+    sampling = body["sampling_params"]
+    assert (sampling["max_tokens"], sampling["seed"], sampling["top_k"], sampling["n"]) == (3, 0, 5, 1)
+    assert body["model"] == "tiny" and body["features"] is None and body["stream"] is False
+    prompts = ["The quick brown fox", "Hello"]
+    many = _post(eos_server, "/v1/completions/render", {"prompt": prompts, "seed": 11}).json()
+    assert [r["token_ids"] for r in many] == [_post(eos_server, "/tokenize", {"prompt": p}).json()["tokens"]
+                                              for p in prompts]
+    assert [r["sampling_params"]["seed"] for r in many] == [11, 11]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions/render", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions/render", {"messages": CHAT, "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions/render", {"prompt": ""}, "prompt"),
+    ("/v1/completions/render", {"prompt": "a", "top_p": 2}, "top_p"),
+])
+def test_render_refuses_what_generation_refuses(eos_server, path, body, param):
+    generate = _post(eos_server, path.removesuffix("/render"), body)
+    response = _post(eos_server, path, body)
+    assert response.status_code == generate.status_code == 400
+    assert response.json()["error"]["param"] == generate.json()["error"]["param"] == param
+
+
 def test_detokenize_gives_the_text_back(eos_server):
     ids = _post(eos_server, "/tokenize", {"prompt": "Hello world!"}).json()["tokens"]
     assert _post(eos_server, "/detokenize", {"model": "tiny", "tokens": ids}).json() == {"prompt": "<bos>Hello world!"}
@@ -56,6 +89,7 @@ def test_mistakes_are_400s_naming_the_field(eos_server, path, body, param):
 
 def test_an_unknown_model_is_404(eos_server):
     assert _post(eos_server, "/tokenize", {"model": "other", "prompt": "a"}).status_code == 404
+    assert _post(eos_server, "/v1/completions/render", {"model": "other", "prompt": "a"}).status_code == 404
 
 
 def test_routes_routers_read(eos_server):
@@ -71,6 +105,7 @@ def test_keyed_routes_want_the_key_and_get_load_does_not(tmp_path_factory):
     try:
         assert _post(server, "/tokenize", {"prompt": "a"}).status_code == 401
         assert _post(server, "/detokenize", {"tokens": [3]}).status_code == 401
+        assert _post(server, "/v1/completions/render", {"prompt": "a"}).status_code == 401
         assert httpx.get(server.url + "/server_info").status_code == 401
         assert _post(server, "/tokenize", {"prompt": "a"}, key="k1").status_code == 200
         assert httpx.get(server.url + "/get_load").status_code == 200

@@ -18,8 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from dgemma import __version__
 from dgemma.api import Model
-from dgemma.sampling import SamplingParamsError
-from dgemma.server import errors, fleet, playground, security
+from dgemma.server import errors, fleet, planning, playground, security
 from dgemma.server.config import ServerConfig
 from dgemma.server.generation import Generation
 from dgemma.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -142,20 +141,12 @@ def _routes(api: APIRouter, service: Service) -> None:
     @api.post("/v1/completions", response_model=None,
               responses=_responses(CompletionResponse, 400, 401, 404, 408, 413, 429, 503, stream=True))
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        prompt = body.prompt  # a text or an id list is one prompt ([] too: refused as empty with the others)
-        prompts = [prompt] if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else list(prompt)
-        return await _respond(service, body, prompts, "prompt", request, chat=False)
+        return await _respond(service, body, planning.prompts(body), "prompt", request, chat=False)
 
     @api.post("/v1/chat/completions", response_model=None,
               responses=_responses(ChatCompletionResponse, 400, 401, 404, 408, 413, 429, 503, stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        try:  # tools, tool_choice, template arguments checked first (the loaded tokenizer picks the syntax): a 400 before model work
-            body.turn(service.model.tokenizer if service.model is not None else None,
-                      service.config.template_defaults)
-            messages = body.chat()
-        except SamplingParamsError as e:
-            raise errors.bad_request(str(e), e.param) from None
-        return await _respond(service, body, [messages], "messages", request, chat=True)
+        return await _respond(service, body, [service.chat_prompt(body)], "messages", request, chat=True)
 
 
 def _metrics_route(app: FastAPI, service: Service, keys: security.ApiKeys) -> None:

@@ -1,10 +1,12 @@
 """What routers in front of replicas (vllm-router, sglang-router) and token-counting clients ask a replica, in the
-shapes vLLM and SGLang answer: POST /tokenize and /detokenize (vLLM's), GET /get_load (the object vllm-router
-reads; open like /health: it sends no key there), GET /server_info and /model_info (SGLang's, with their older
-/get_ names: what sglang-router reads when a worker registers)."""
+shapes vLLM and SGLang answer: POST /tokenize and /detokenize (vLLM's), POST /v1/chat/completions/render and
+/v1/completions/render (vLLM's token-in requests: what vllm-router's cache_aware asks first), GET /get_load (the
+object vllm-router reads; open like /health: it sends no key there), GET /server_info and /model_info (SGLang's,
+with their older /get_ names: what sglang-router reads when a worker registers)."""
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -14,8 +16,22 @@ from dgemma.errors import DgemmaError
 from dgemma.sampling import SamplingParamsError
 from dgemma.server import planning
 from dgemma.server.errors import bad_request
-from dgemma.server.protocol import DetokenizeRequest, TokenizeRequest, with_defaults
-from dgemma.server.responses import DetokenizeResponse, Load, ModelInfo, ServerInfo, TokenizeResponse
+from dgemma.server.planning import Plan
+from dgemma.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    with_defaults,
+)
+from dgemma.server.responses import (
+    DetokenizeResponse,
+    Load,
+    ModelInfo,
+    RenderedRequest,
+    ServerInfo,
+    TokenizeResponse,
+)
 from dgemma.server.service import Service
 
 
@@ -40,6 +56,21 @@ def install(api: APIRouter, app: FastAPI, service: Service, responses: Any) -> N
         strs = model.tokenizer.token_strs(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": model.max_context, "tokens": ids, "token_strs": strs}
 
+    @api.post("/v1/chat/completions/render", response_model=None,
+              responses=responses(RenderedRequest, 400, 401, 404, 408, 413, 503))
+    async def render_chat(body: ChatCompletionRequest, request: Request) -> Any:
+        """The chat as /v1/chat/completions would run it, not run: vLLM's token-in request {request_id,
+        token_ids, sampling_params, ...}; the same checks and 400s."""
+        plans = await service.render(body, [service.chat_prompt(body)], "messages", request.state.key)
+        return _rendered("chatcmpl", body, plans[0], service)
+
+    @api.post("/v1/completions/render", response_model=None,
+              responses=responses(list[RenderedRequest], 400, 401, 404, 408, 413, 503))
+    async def render_completion(body: CompletionRequest, request: Request) -> Any:
+        """Each prompt as /v1/completions would run it, not run: a list of vLLM's token-in requests."""
+        plans = await service.render(body, planning.prompts(body), "prompt", request.state.key)
+        return [_rendered("cmpl", body, plan, service) for plan in plans]
+
     @api.post("/detokenize", response_model=None, responses=responses(DetokenizeResponse, 400, 401, 404, 413, 503))
     async def detokenize(body: DetokenizeRequest) -> Any:
         """Token ids -> {prompt: their text}, special tokens spelled out."""
@@ -55,7 +86,7 @@ def install(api: APIRouter, app: FastAPI, service: Service, responses: Any) -> N
         """SGLang's server facts that a router reads: the model, parallel sizes (1: each replica is whole)."""
         model = service.model
         return {"model_path": service.config.model_name, "served_model_name": service.config.model_name,
-                "tp_size": 1, "dp_size": 1, "version": __version__, "max_concurrency": service.config.max_concurrency,
+                "tp_size": _tp_size(model), "dp_size": 1, "version": __version__, "max_concurrency": service.config.max_concurrency,
                 "context_length": model.max_context if model is not None else None}
 
     @api.get("/model_info", response_model=None, responses=responses(ModelInfo, 401))
@@ -72,6 +103,27 @@ def install(api: APIRouter, app: FastAPI, service: Service, responses: Any) -> N
         running = service.worker.running if service.worker is not None else 0
         return {"load": service.in_use, "num_reqs": service.in_use,
                 "num_waiting_reqs": max(0, service.in_use - running), "num_tokens": service.tokens_in_use}
+
+
+def _rendered(prefix: str, body: Any, plan: Plan, service: Service) -> dict[str, Any]:
+    """vLLM's GenerateRequest for one prompt: its ids, and its sampling in vLLM's names as this server resolved it
+    (the request's knobs as sent; the denoising schedule under `dgemma`)."""
+    p = plan.params
+    diffusion = service.config.mode == "diffusion"
+    sampling = {"n": body.n, "temperature": p.t_max if diffusion else p.ar_temperature, "seed": p.seed,
+                "max_tokens": p.max_new_tokens, "stop": list(p.stop), "logprobs": p.logprobs, **body.knobs()}
+    if diffusion:
+        sampling["dgemma"] = {"max_denoising_steps": p.max_denoising_steps, "entropy_bound": p.entropy_bound,
+                              "t_min": p.t_min, "t_max": p.t_max}
+    return {"request_id": f"{prefix}-{uuid.uuid4().hex}", "token_ids": plan.ids, "features": None,
+            "sampling_params": sampling, "model": body.model or service.config.model_name, "stream": body.stream,
+            "stream_options": body.stream_options.model_dump() if body.stream and body.stream_options else None,
+            "cache_salt": body.cache_salt, "priority": 0}
+
+
+def _tp_size(model: Any) -> int:
+    group = getattr(model.module, "parallel", None) if model is not None else None
+    return group.world if group is not None else 1
 
 
 def _ready(service: Service, name: str | None):

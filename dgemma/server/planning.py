@@ -15,7 +15,7 @@ from dgemma.sampling.temperature import GREEDY_T, is_greedy, temperature_fields
 from dgemma.server.config import ServerConfig
 from dgemma.server.errors import ApiError, bad_request, unsupported
 from dgemma.server.formats import LAYOUT_PARAMS
-from dgemma.server.protocol import OpenAIRequest
+from dgemma.server.protocol import CompletionRequest, OpenAIRequest
 
 
 @dataclass
@@ -42,6 +42,13 @@ def check(body: OpenAIRequest, config: ServerConfig, prompts: int) -> None:
     if choices > config.max_n:
         raise bad_request(f"n x prompts = {choices} choices; this server allows at most {config.max_n} "
                           "per request", "n")
+
+
+def prompts(body: CompletionRequest) -> list[Any]:
+    """A completion request's prompts: a text or an id list is one prompt ([] too: refused as empty with the
+    others)."""
+    prompt = body.prompt
+    return [prompt] if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else list(prompt)
 
 
 def prepare(model: Model, config: ServerConfig, body: OpenAIRequest, prompt: Any, limit: int,

@@ -110,6 +110,20 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str | None] | None = None
 
 
+class RenderedRequest(BaseModel):
+    """vLLM's token-in GenerateRequest (what its /render routes answer)."""
+
+    request_id: str
+    token_ids: list[int]
+    features: None = None
+    sampling_params: dict[str, Any]
+    model: str
+    stream: bool
+    stream_options: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+
+
 class DetokenizeResponse(BaseModel):
     prompt: str
 

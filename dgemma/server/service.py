@@ -27,7 +27,7 @@ from dgemma.server.errors import ApiError, bad_request
 from dgemma.server.generation import Generation
 from dgemma.server.metrics import Metrics
 from dgemma.server.planning import Plan
-from dgemma.server.protocol import OpenAIRequest
+from dgemma.server.protocol import ChatCompletionRequest, OpenAIRequest
 from dgemma.server.worker import Worker
 
 log = logging.getLogger("dgemma.server")
@@ -114,10 +114,7 @@ class Service:
         """Check `body` (cheap checks first), admit its choices or refuse at once, then encode and submit. `key`:
         which API key the client sent; it and `cache_salt` pick the request's prefix-cache partition."""
         t_arrival = time.perf_counter()
-        if error := self.unavailable():
-            raise error
-        self.check_model(body.model)
-        planning.check(body, self.config, len(prompts))
+        self._check(body, len(prompts))
         lease = self._admit(body.n * len(prompts), key)
         timeout = _earliest(body.dgemma_timeout, self.config.request_timeout)
         try:
@@ -128,6 +125,30 @@ class Service:
         except BaseException:
             lease.release()
             raise
+
+    async def render(self, body: OpenAIRequest, prompts: list[Any], param: str, key: int | None = None) -> list[Plan]:
+        """What `generate` would submit for each prompt (its ids, its first choice's SamplingParams), checked the
+        same way, without admitting or running it: the render routes' pure preprocessing."""
+        t_arrival = time.perf_counter()
+        self._check(body, len(prompts))
+        timeout = _earliest(body.dgemma_timeout, self.config.request_timeout)
+        plans, _ = await self._within(timeout, t_arrival, self._plan(body, prompts, param, key))
+        return plans[::body.n]
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[dict[str, Any]]:
+        """A chat's messages; its tools, tool_choice and template arguments checked first (the loaded tokenizer
+        picks the call syntax): a 400 before any model work."""
+        try:
+            body.turn(self.model.tokenizer if self.model is not None else None, self.config.template_defaults)
+            return body.chat()
+        except SamplingParamsError as e:
+            raise bad_request(str(e), e.param) from None
+
+    def _check(self, body: OpenAIRequest, prompts: int) -> None:
+        if error := self.unavailable():
+            raise error
+        self.check_model(body.model)
+        planning.check(body, self.config, prompts)
 
     @staticmethod
     async def _within(timeout: float | None, t_arrival: float, work: Any) -> Any:
