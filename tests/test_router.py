@@ -1,7 +1,7 @@
 """Two replicas behind vllm-router (`dgemma serve --replicas 2`) on loopback: multi-turn chats through the router
 answer as one server does for the same seed; with cache_aware a conversation's later turns go to the replica that
 holds its prefix and continue from its prefix cache; a replica killed mid-run costs only its in-flight requests;
-stopping the launcher leaves no process behind. Plus the launcher's own checks (no router binary, a policy the
+stopping the launcher leaves no process behind; replicas that are tensor-parallel groups answer as one process. Plus the launcher's own checks (no router binary, a policy the
 router lacks, the flags the workers get)."""
 
 import argparse
@@ -9,6 +9,7 @@ import concurrent.futures
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -97,6 +98,43 @@ def test_a_killed_replica_costs_only_its_in_flight_requests(fleet):
     time.sleep(max(0.0, killed + 6 - time.monotonic()))  # the router drops it after 2 failed checks 2 s apart
     after = [_ask(routed, [{"role": "user", "content": f"Hello {i}."}]) for i in range(4)]
     assert all(isinstance(a, str) for a in after)
+
+
+@needs_router
+def test_replicas_of_tensor_parallel_workers_answer_as_one_process(tmp_path_factory):
+    """`--replicas 2 -tp 2`: two torchrun groups of two ranks each behind the router; chats through it answer as
+    one plain process does (float32, near-greedy); stopping the launcher leaves no rank behind."""
+    checkpoint = served_checkpoint(tmp_path_factory)
+    asks = [[{"role": "user", "content": chat[0]}] for chat in CHATS] * 2
+    one = Fleet(checkpoint, 1, "--dtype", "float32").wait_ready()
+    try:
+        expected = [_ask(_client(one.url), m) for m in asks]
+    finally:
+        assert one.stop() == 0
+    fleet = Fleet(checkpoint, 2, "--dtype", "float32", "-tp", "2", policy="round_robin").wait_ready(300)
+    try:
+        assert len(fleet.workers) == 2
+        assert all(httpx.get(url + "/server_info", timeout=10).json()["tp_size"] == 2 for _, url in fleet.workers)
+        assert [_ask(_client(fleet.url), m) for m in asks] == expected
+        ports = [url.rsplit(":", 1)[1] for _, url in fleet.workers]
+        assert len(_ranks(ports)) == 4
+    finally:
+        assert fleet.stop() == 0
+    assert wait_until(lambda: not _ranks(ports), 20), "a rank outlived the launcher"
+
+
+def _ranks(ports: list[str]) -> list[int]:
+    """Live rank processes serving on these worker ports."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"dgemma.server.command" in argv and b"torch.distributed.run" not in argv and alive(int(proc.name)) and \
+                any(p.encode() in argv for p in ports):
+            found.append(int(proc.name))
+    return found
 
 
 def _in_flight(fleet) -> list[int]:

@@ -1,5 +1,5 @@
 """`dgemma serve --replicas N`: N `dgemma serve` workers on loopback ports (one GPU each, or a share of the CPU
-cores each, threads split) behind a router binary (vllm-router or sglang-router, from PyPI) that listens on
+cores each, threads split; with -tp M each worker is M ranks under torchrun, on M GPUs) behind a router binary (vllm-router or sglang-router, from PyPI) that listens on
 --host/--port; all started, and stopped, together (SIGTERM / Ctrl-C drains the workers; the children are told to
 stop if this process dies)."""
 
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dgemma.errors import ConfigError, DgemmaError
+from dgemma.options import torchrun
 from dgemma.server.config import KEY_ENV
 
 log = logging.getLogger("dgemma.server")
@@ -38,7 +39,8 @@ STARTUP_SECONDS = 900.0  # a worker's load (a repo download included) before the
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=1, help="start this many workers (one per GPU with --device "
-                   "cuda, else a share of the CPU cores each) behind --router on --host/--port (default 1: no router)")
+                   "cuda, N with -tp N; else a share of the CPU cores each) behind --router on --host/--port (default "
+                   "1: no router)")
     p.add_argument("--router", default="vllm-router", choices=tuple(POLICIES),
                    help="router binary in front of the replicas (pip install vllm-router / sglang-router)")
     p.add_argument("--router-policy", default="cache_aware", choices=POLICIES["vllm-router"],
@@ -107,19 +109,24 @@ def _router_command(binary: str, args: argparse.Namespace, port: int, urls: list
 
 
 def _start_worker(i: int, port: int, args: argparse.Namespace, parser: argparse.ArgumentParser) -> Child:
-    """Worker i on 127.0.0.1:`port`: GPU i with --device cuda, else its share of the cores."""
+    """Worker i on 127.0.0.1:`port`: GPU i with --device cuda, else its share of the cores. With -tp N the worker
+    is a torchrun group of N ranks: GPUs i*N .. i*N+N-1, or its cores' share split between its ranks' threads."""
     env = os.environ.copy()
     extra = ["--host", "127.0.0.1", "--port", str(port)]
-    cores = None
+    cores, tp = None, args.tensor_parallel_size
     if args.device.startswith("cuda"):
-        visible = env.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(args.replicas)))).split(",")
-        if i >= len(visible):
-            raise ConfigError(f"--replicas {args.replicas}: only {len(visible)} GPUs are visible")
-        env["CUDA_VISIBLE_DEVICES"] = visible[i]
+        visible = env.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(args.replicas * tp)))).split(",")
+        if (i + 1) * tp > len(visible):
+            raise ConfigError(f"--replicas {args.replicas} x -tp {tp} needs {args.replicas * tp} GPUs; only "
+                              f"{len(visible)} are visible")
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i * tp:(i + 1) * tp])
     else:
         cores = _core_share(i, args.replicas)
-        extra += ["--threads", str(args.threads or len(cores))]
-    command = [sys.executable, "-m", "dgemma.server.command", *worker_argv(args, parser), *extra]
+        threads = args.threads or max(1, len(cores) // tp)
+        env["OMP_NUM_THREADS"] = str(threads)
+        extra += ["--threads", str(threads)]
+    ranks = torchrun(tp) if tp > 1 else []
+    command = [sys.executable, *ranks, "-m", "dgemma.server.command", *worker_argv(args, parser), *extra]
     child = Child(f"worker {i}", _spawn(command, env, cores), f"http://127.0.0.1:{port}")
     log.info("%s (pid %d) on %s", child.name, child.process.pid, child.url)
     return child
