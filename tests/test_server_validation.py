@@ -244,7 +244,7 @@ def test_schemathesis_finds_no_server_error(server, mode):
     checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) == 11
+    assert len(operations) == 13
     for operation in operations:
         @given(case=operation.as_strategy(GenerationMode(mode)))
         @settings(max_examples=12, deadline=None, derandomize=True, database=None,
