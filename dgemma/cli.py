@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dgemma.errors import DgemmaError, SamplingParamsError
 from dgemma.image_limits import add_image_options, limits_from_args
 from dgemma.options import (OPTIONS, SAMPLINGS, add_mode_option, add_model_options, add_parallel_option,
-                            add_threads_option, apply_threads, check_modes, torchrun)
+                            add_threads_option, apply_threads, check_modes)
 
 
 def load_model_from_args(args: argparse.Namespace):
@@ -34,17 +34,6 @@ def load_model_from_args(args: argparse.Namespace):
     return model
 
 
-def launch_ranks(n: int, argv: list[str]) -> int:
-    """`dgemma ... -tp N` outside torchrun: the same command in N processes under torchrun, on this machine."""
-    import signal
-    import subprocess
-
-    threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
-    command = [sys.executable, *torchrun(n), "-m", "dgemma", *argv]
-    child = subprocess.Popen(command, env=threads | os.environ)
-    for s in (signal.SIGTERM, signal.SIGINT):  # passed on: torchrun hands it to the ranks (serve drains)
-        signal.signal(s, lambda sig, _: child.send_signal(sig))
-    return child.wait()
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -331,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     if getattr(args, "tensor_parallel_size", 1) > 1 and "WORLD_SIZE" not in os.environ and \
             getattr(args, "replicas", 1) == 1:  # with --replicas, each worker is a torchrun group of its own
+        from dgemma.launch import launch_ranks
+
         return launch_ranks(args.tensor_parallel_size, sys.argv[1:] if argv is None else argv)
     try:
         return args.fn(args)

@@ -82,10 +82,6 @@ def add_parallel_option(p: argparse.ArgumentParser) -> None:
                         "them with torchrun, or run it under `torchrun --nproc-per-node N -m dgemma` (default 1)")
 
 
-def torchrun(n: int) -> list[str]:
-    """The arguments after `python` that run `-m MODULE ...` as N ranks on this machine (torchrun, its own free
-    rendezvous port: several such groups can run side by side)."""
-    return ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
 
 
 def apply_threads(args: argparse.Namespace) -> None:

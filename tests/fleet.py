@@ -1,5 +1,5 @@
-"""A fleet on loopback for tests and benchmarks: `dgemma serve --replicas N` (workers + a router binary) as a
-subprocess, its workers' URLs and pids from the launcher's log, and the prefix-cache counters of their /metrics."""
+"""A fleet on loopback for tests and benchmarks: `dgemma serve --replicas N` (workers + a router binary; one
+server for N = 1, its ranks under torchrun with -tp) as a subprocess, its workers' URLs and pids from the launcher's log, and the prefix-cache counters of their /metrics."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class Fleet:
         self.headers = {"authorization": f"Bearer {key}"} if key else {}
         self.url = f"http://127.0.0.1:{self.port}"
         env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        command = [sys.executable, "-m", "dgemma.server.command", "--model", str(checkpoint), "--served-model-name",
+        command = [sys.executable, "-m", "dgemma", "serve", "--model", str(checkpoint), "--served-model-name",
                    "tiny", "--port", str(self.port), "--no-access-log", *args]
         if replicas > 1:
             command += ["--replicas", str(replicas), "--router", router, "--router-policy", policy,

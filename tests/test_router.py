@@ -106,7 +106,7 @@ def test_replicas_of_tensor_parallel_workers_answer_as_one_process(tmp_path_fact
     one plain process does (float32, near-greedy); stopping the launcher leaves no rank behind."""
     checkpoint = served_checkpoint(tmp_path_factory)
     asks = [[{"role": "user", "content": chat[0]}] for chat in CHATS] * 2
-    one = Fleet(checkpoint, 1, "--dtype", "float32").wait_ready()
+    one = Fleet(checkpoint, 1, "--dtype", "float32").wait_ready(300)
     try:
         expected = [_ask(_client(one.url), m) for m in asks]
     finally:
@@ -124,15 +124,15 @@ def test_replicas_of_tensor_parallel_workers_answer_as_one_process(tmp_path_fact
 
 
 def _ranks(ports: list[str]) -> list[int]:
-    """Live rank processes serving on these worker ports."""
+    """Live rank processes (RANK in their environment) serving on these worker ports."""
     found = []
     for proc in Path("/proc").iterdir():
         try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            argv, env = (proc / "cmdline").read_bytes().split(b"\0"), (proc / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"dgemma.server.command" in argv and b"torch.distributed.run" not in argv and alive(int(proc.name)) and \
-                any(p.encode() in argv for p in ports):
+        if any(p.encode() in argv for p in ports) and any(e.startswith(b"RANK=") for e in env) and \
+                alive(int(proc.name)):
             found.append(int(proc.name))
     return found
 

@@ -1,18 +1,16 @@
 """`dgemma serve --replicas N`: N `dgemma serve` workers on loopback ports (one GPU each, or a share of the CPU
-cores each, threads split; with -tp M each worker is M ranks under torchrun, on M GPUs) behind a router binary (vllm-router or sglang-router, from PyPI) that listens on
+cores each, threads split; with -tp M each worker is M ranks, on M GPUs) behind a router binary (vllm-router or sglang-router, from PyPI) that listens on
 --host/--port; all started, and stopped, together (SIGTERM / Ctrl-C drains the workers; the children are told to
 stop if this process dies)."""
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dgemma.errors import ConfigError, DgemmaError
-from dgemma.options import torchrun
+from dgemma.launch import free_ports, spawn, stop
 from dgemma.server.config import KEY_ENV
 
 log = logging.getLogger("dgemma.server")
@@ -67,21 +65,21 @@ def run(args: argparse.Namespace, worker_parser: argparse.ArgumentParser) -> int
         extra = shlex.split(args.router_args)
     except ValueError as e:
         raise ConfigError(f"--router-args: {e}") from None
-    ports = _free_ports(args.replicas + 1)
+    ports = free_ports(args.replicas + 1)
     port = args.port or ports.pop()  # --port 0: any free port, as for one server
     children: list[Child] = []
-    stop = _stop_on_signals()
+    signals = _stop_on_signals()
     try:
         for i, worker_port in enumerate(ports[:args.replicas]):
             children.append(_start_worker(i, worker_port, args, worker_parser))
-        _wait_healthy(children, stop)
+        _wait_healthy(children, signals)
         command = _router_command(router, args, port, [c.url for c in children]) + extra
-        children.append(Child(args.router, _spawn(command, os.environ.copy()), f"http://{args.host}:{port}"))
+        children.append(Child(args.router, spawn(command, os.environ.copy()), f"http://{args.host}:{port}"))
         log.info("serving %d replicas behind %s (%s) on http://%s:%d", args.replicas, args.router,
                  args.router_policy, args.host, port)
-        return _supervise(children, stop)
+        return _supervise(children, signals)
     finally:
-        _stop_all(children, args.shutdown_timeout)
+        stop([c.process for c in children], args.shutdown_timeout + 10)  # the workers drain first
 
 
 def _router_binary(name: str, policy: str) -> str:
@@ -110,7 +108,7 @@ def _router_command(binary: str, args: argparse.Namespace, port: int, urls: list
 
 def _start_worker(i: int, port: int, args: argparse.Namespace, parser: argparse.ArgumentParser) -> Child:
     """Worker i on 127.0.0.1:`port`: GPU i with --device cuda, else its share of the cores. With -tp N the worker
-    is a torchrun group of N ranks: GPUs i*N .. i*N+N-1, or its cores' share split between its ranks' threads."""
+    is a group of N ranks: GPUs i*N .. i*N+N-1, or its cores' share split between its ranks' threads."""
     env = os.environ.copy()
     extra = ["--host", "127.0.0.1", "--port", str(port)]
     cores, tp = None, args.tensor_parallel_size
@@ -125,9 +123,8 @@ def _start_worker(i: int, port: int, args: argparse.Namespace, parser: argparse.
         threads = args.threads or max(1, len(cores) // tp)
         env["OMP_NUM_THREADS"] = str(threads)
         extra += ["--threads", str(threads)]
-    ranks = torchrun(tp) if tp > 1 else []
-    command = [sys.executable, *ranks, "-m", "dgemma.server.command", *worker_argv(args, parser), *extra]
-    child = Child(f"worker {i}", _spawn(command, env, cores), f"http://127.0.0.1:{port}")
+    command = [sys.executable, "-m", "dgemma", "serve", *worker_argv(args, parser), *extra]  # -tp: it starts its ranks
+    child = Child(f"worker {i}", spawn(command, env, cores), f"http://127.0.0.1:{port}")
     log.info("%s (pid %d) on %s", child.name, child.process.pid, child.url)
     return child
 
@@ -155,33 +152,10 @@ def _core_share(i: int, n: int) -> list[int]:
     return cores[i * per:(i + 1) * per] or cores[-per:]
 
 
-def _spawn(command: list[str], env: dict[str, str], cores: list[int] | None = None) -> subprocess.Popen:
-    def child_setup() -> None:
-        _die_with_parent()
-        if cores is not None:
-            os.sched_setaffinity(0, cores)
-
-    # a session of its own: Ctrl-C in a terminal reaches the launcher only, which then drains each child once
-    return subprocess.Popen(command, env=env, preexec_fn=child_setup, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGTERM this child when the launcher dies, however it dies (no orphans after a SIGKILL)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def _stop_on_signals() -> list[int]:
@@ -192,7 +166,7 @@ def _stop_on_signals() -> list[int]:
     return received
 
 
-def _wait_healthy(children: list[Child], stop: list[int]) -> None:
+def _wait_healthy(children: list[Child], signals: list[int]) -> None:
     deadline = time.monotonic() + STARTUP_SECONDS
     pending = list(children)
     while pending:
@@ -201,7 +175,7 @@ def _wait_healthy(children: list[Child], stop: list[int]) -> None:
                 raise DgemmaError(f"{child.name} exited with code {child.process.returncode} while starting")
             if _healthy(child.url):
                 pending.remove(child)
-        if stop:
+        if signals:
             raise DgemmaError("interrupted while the workers started")
         if time.monotonic() > deadline:
             raise DgemmaError(f"{pending[0].name} was not ready after {STARTUP_SECONDS:g} s")
@@ -216,11 +190,11 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _supervise(children: list[Child], stop: list[int]) -> int:
+def _supervise(children: list[Child], signals: list[int]) -> int:
     """Until a signal (0) or the router's end (its code, or 1): a worker that ends is reported, and the router
     serves on with the others."""
     router, reported = children[-1], set()
-    while not stop:
+    while not signals:
         if router.process.poll() is not None:
             log.error("%s exited with code %d; stopping the workers", router.name, router.process.returncode)
             return router.process.returncode or 1
@@ -233,15 +207,4 @@ def _supervise(children: list[Child], stop: list[int]) -> int:
     return 0
 
 
-def _stop_all(children: list[Child], grace: float) -> None:
-    """SIGTERM to every child (the workers drain for --shutdown-timeout), then SIGKILL to any still running."""
-    for child in children:
-        if child.process.poll() is None:
-            child.process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace + 10
-    for child in children:
-        try:
-            child.process.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.process.kill()
-            child.process.wait()
+
