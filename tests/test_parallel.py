@@ -1,6 +1,7 @@
 """Tensor and expert parallelism on 2 gloo ranks against one process (float32): encode / denoise logits of a tiny
-model with MoE, sliding and full attention and GQA (plain and quantized), generated ids of the bundled demo model
-at its defaults, seeds drawn by rank 0, per-rank weight bytes; and the one-line refusals."""
+model with MoE, sliding and full attention and GQA, and its fused vocabulary step over the sharded vocabulary (plain
+and quantized), generated ids of the bundled demo model at its defaults, seeds drawn by rank 0, per-rank weight
+bytes; and the one-line refusals."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dgemma.config import FULL, SLIDING, ModelConfig, TextConfig
 from dgemma.errors import ConfigError, SamplingParamsError
 from dgemma.model import DiffusionGemma
 from dgemma.parallel.shard import check
+from dgemma.sampling.fused import num_uniforms, vocab_step
 from dgemma.weights import save_model
 
 WORLD = 2
@@ -40,6 +42,23 @@ def passes(model: DiffusionGemma) -> list[torch.Tensor]:
     return [encoded, first, model.head(model.denoise(canvas, cache, signal=model.soft_embed(first)))]
 
 
+def steps(model: DiffusionGemma) -> list:
+    """The fused vocabulary step over denoised hidden states, with a dense and a sparse soft embedding (chunks of 64
+    in both runs, so that a rank's chunks are one process's)."""
+    g = torch.Generator().manual_seed(2)
+    hidden = model.denoise(torch.randint(3, 256, (2, 8), generator=g), model.new_cache(2, 16)).flatten(0, 1)
+    inv_temp, uniforms = torch.full((16,), 1.5), torch.rand(16, num_uniforms(256, 64), generator=g)
+    head = model.lm_head
+    return [vocab_step(hidden, head.weight, head.softcap, head.scale, inv_temp, uniforms, chunk=64, top_k=k,
+                       shard=head.shard) for k in (None, 4)]
+
+
+def compare_steps(one: list, tp: list) -> dict:
+    return {"ids": all(torch.equal(a.argmax, b.argmax) and torch.equal(a.sample, b.sample) for a, b in zip(one, tp)),
+            "diff": max(max((a.entropy - b.entropy).abs().max().item(), (a.signal - b.signal).abs().max().item())
+                        for a, b in zip(one, tp)),
+            "drawn": sum(int((a.sample != a.argmax).sum()) for a in one)}
+
 def _rank(rank: int, port: int, tiny: str, out: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -50,6 +69,7 @@ def _rank(rank: int, port: int, tiny: str, out: str) -> None:
             one = dgemma.load(tiny, dtype="float32", quantize=quantize).module
             tp = dgemma.load(tiny, dtype="float32", quantize=quantize, tensor_parallel_size=WORLD).module
             results[quantize] = {"diff": max((a - b).abs().max().item() for a, b in zip(passes(one), passes(tp))),
+                                 "step": compare_steps(steps(one), steps(tp)),
                                  "one": parallel.weight_bytes(one), "rank": parallel.weight_bytes(tp)}
     kwargs = dict(max_new_tokens=COMMAND_TOKENS, seed=0)
     single_model = dgemma.load(dtype="float32")
@@ -106,12 +126,23 @@ def test_logits_match_one_process(ranks, quantize):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("quantize", [None, "int8", "nvfp4"])
+def test_fused_vocabulary_step_matches_one_process(ranks, quantize):
+    """Each rank streams its half of the vocabulary; the merged argmax and samples equal one process's, entropy
+    and soft embeddings (dense and top-k) within 1e-4."""
+    for r in ranks:
+        step = r[quantize]["step"]
+        assert step["ids"] and step["diff"] < 1e-4 and step["drawn"] > 4  # samples other than the argmax
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantize", [None, "int8", "nvfp4"])
 def test_each_rank_holds_half_of_the_sharded_weights(ranks, quantize):
     for r in ranks:
         one, mine = r[quantize]["one"], r[quantize]["rank"]
         assert mine["replicated"] == one["replicated"]
         # the full layer's one KV head is on both ranks: a little over half
         assert one["sharded"] / WORLD <= mine["sharded"] <= 0.55 * one["sharded"]
+        assert mine["embedding"] * WORLD == one["embedding"] > 0  # codes and scales alike
 
 
 @pytest.mark.slow
@@ -213,6 +244,31 @@ def test_a_cut_inside_a_quantization_group_is_refused():
         _quantized(int4, -1, 16, 80)
     part = _quantized(per_channel, -1, 16, 80)  # one scale a row: any cut
     assert torch.equal(part.dequantize(), per_channel.dequantize()[:, 16:80])
+
+
+def test_vocabulary_shards_sum_to_the_whole_embedding(monkeypatch):
+    """The embedding's rows split over the ranks, float and every quantized format: the ranks' lookups (zeros for
+    the other ranks' ids) and soft embeddings (each its part of p @ E) sum to the whole embedding's (the
+    all-reduce, stubbed)."""
+    from types import SimpleNamespace
+
+    from dgemma.model import head
+    from dgemma.parallel.shard import _quantized
+
+    monkeypatch.setattr(head, "all_reduce", lambda x, group: x)
+    torch.manual_seed(0)
+    w, ids, logits, width = torch.randn(64, 128), torch.randint(0, 64, (3, 5)), torch.randn(3, 64), 64 // WORLD
+    for q in [w, *_formats(w)]:
+        whole = head.Head(SimpleNamespace(weight=q), None, 2.0)
+        rows, soft = [], []
+        for lo in range(0, 64, width):
+            part = q[lo:lo + width] if isinstance(q, torch.Tensor) else _quantized(q, -2, lo, lo + width)
+            mine = head.Head(SimpleNamespace(weight=part), None, 2.0)
+            mine.shard = head.VocabShard(lo, lo + width, 64, "stub")
+            rows.append(mine.rows(ids))
+            soft.append(mine.soft_embed(logits))
+        torch.testing.assert_close(sum(rows), whole.rows(ids))
+        torch.testing.assert_close(sum(soft), whole.soft_embed(logits), rtol=1e-5, atol=1e-5)
 
 
 def test_expert_shards_sum_to_the_whole_layer(monkeypatch):
