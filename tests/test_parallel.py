@@ -43,14 +43,14 @@ def passes(model: DiffusionGemma) -> list[torch.Tensor]:
 
 
 def steps(model: DiffusionGemma) -> list:
-    """The fused vocabulary step over denoised hidden states, with a dense and a sparse soft embedding (chunks of 64
-    in both runs, so that a rank's chunks are one process's)."""
+    """The fused vocabulary step over denoised hidden states, with a dense and a sparse soft embedding, in chunks of
+    64 (a rank streams 2 of one process's 4) and of 256 (one process's one chunk spans both ranks)."""
     g = torch.Generator().manual_seed(2)
     hidden = model.denoise(torch.randint(3, 256, (2, 8), generator=g), model.new_cache(2, 16)).flatten(0, 1)
-    inv_temp, uniforms = torch.full((16,), 1.5), torch.rand(16, num_uniforms(256, 64), generator=g)
-    head = model.lm_head
-    return [vocab_step(hidden, head.weight, head.softcap, head.scale, inv_temp, uniforms, chunk=64, top_k=k,
-                       shard=head.shard) for k in (None, 4)]
+    inv_temp, head = torch.full((16,), 1.5), model.lm_head
+    return [vocab_step(hidden, head.weight, head.softcap, head.scale, inv_temp,
+                       torch.rand(16, num_uniforms(256, chunk), generator=g), chunk=chunk, top_k=k, shard=head.shard)
+            for chunk, k in ((64, None), (64, 4), (256, None))]
 
 
 def compare_steps(one: list, tp: list) -> dict:

@@ -8,9 +8,9 @@ only [positions, chunk] blocks are alive (preallocated once per step), and no ra
 vocabulary entry. Scores are kept in base 2 (log2 e folded into the scale) because exp2 is several times
 cheaper than exp on CPUs.
 
-Under tensor parallelism (`head.shard`) each rank streams its own vocabulary rows, whose chunks are the ones
-one process streams there, with the same uniforms; `vocab_shards.merge` then makes every rank's statistics the
-whole vocabulary's.
+Under tensor parallelism (`head.shard`) each rank streams its own vocabulary rows, in the chunks (or the part
+of one chunk) one process streams there, with the same uniforms; `vocab_shards.merge` then makes every rank's
+statistics the whole vocabulary's.
 
 Two opt-in savings (defaults off, `SamplingParams.soft_top_k` / `skip_settled`): a sparse soft embedding (the
 running top-k of each position's distribution, renormalised, times those k embedding rows, instead of the p @ E
@@ -30,7 +30,7 @@ from dgemma.model.layers import all_reduce, gemm_dtype
 from dgemma.quant import QuantizedWeight
 from dgemma.quant.a8 import quantize_rows
 from dgemma.sampling.processing import Processor, processed_step
-from dgemma.sampling.samplers import StepOutput, entropy_bound_accept, random_tokens, renoise
+from dgemma.sampling.samplers import StepOutput, entropy_bound_accept, inverse_cdf, random_tokens, renoise
 from dgemma.sampling.vocab_shards import merge
 
 LOG2E = 1.0 / math.log(2.0)
@@ -45,10 +45,12 @@ class VocabStep(NamedTuple):
 
 def vocab_chunk(device: torch.device, shard: VocabShard | None = None) -> int:
     """Vocabulary entries per chunk: small blocks that stay in a CPU's caches; on accelerators few large
-    blocks, so that a step is tens of kernel launches, not thousands. A vocabulary shard's chunks divide it, so
-    that none straddles two ranks (the same chunks as one process's unless the shard is narrower)."""
+    blocks, so that a step is tens of kernel launches, not thousands. A vocabulary shard streams one process's
+    chunks, whole ones or (a narrower shard) an equal part of one; other widths take chunks that divide them,
+    and so draw otherwise than one process."""
     chunk = 2048 if device.type == "cpu" else 65536
-    return chunk if shard is None else math.gcd(chunk, shard.hi - shard.lo)
+    width = chunk if shard is None else shard.hi - shard.lo
+    return chunk if width % chunk == 0 or chunk % width == 0 else math.gcd(chunk, width)
 
 
 def sync_free_default(device: torch.device) -> bool:
@@ -156,15 +158,15 @@ class _Running:
         candidate (an inverse-CDF draw inside the chunk)."""
         take = u_take * self.mass < chunk_mass
         if self.sync_free:
-            self.sample = torch.where(take, _inverse_cdf(p, u_pick, chunk_mass) + lo, self.sample)
+            self.sample = torch.where(take, inverse_cdf(p, u_pick, chunk_mass) + lo, self.sample)
         elif bool(take.any()):
             rows = take.nonzero().squeeze(1)
-            self.sample[rows] = _inverse_cdf(p[rows], u_pick[rows], chunk_mass[rows]) + lo
+            self.sample[rows] = inverse_cdf(p[rows], u_pick[rows], chunk_mass[rows]) + lo
 
     def record_chunk(self, p: Tensor, chunk_mass: Tensor, u_pick: Tensor, lo: int) -> None:
         """A vocabulary shard's chunk: whether it replaces the sample depends on the mass of the ranks before this
         one, so its candidate is drawn for every row and `vocab_shards.merge` makes the choices."""
-        self.chunks.append((self.peak, chunk_mass, _inverse_cdf(p, u_pick, chunk_mass) + lo))
+        self.chunks.append((self.peak, chunk_mass, inverse_cdf(p, u_pick, chunk_mass) + lo))
 
 
 def vocab_step(hidden: Tensor, embedding: Tensor | QuantizedWeight, softcap: float, embed_scale: float,
@@ -207,7 +209,7 @@ def vocab_step(hidden: Tensor, embedding: Tensor | QuantizedWeight, softcap: flo
         else:
             run.record_chunk(p, chunk_mass, uniforms[:, 2 * g], base + lo)
     if shard is not None:
-        merge(run, shard, uniforms[:, 1::2], want_signal, top_k)
+        merge(run, shard, uniforms, p, want_signal, top_k)
     entropy = (torch.log2(run.mass) - run.moment / run.mass) / LOG2E
     signal = run.signal(embedding, embed_scale, scale, shift, shard) if want_signal else None
     return VocabStep(run.argmax, run.sample, entropy, signal)
@@ -265,12 +267,6 @@ class _Int8Rows:
 def _int8_ready(embedding: Tensor | QuantizedWeight, chunk: int) -> bool:
     a8 = getattr(embedding, "a8", None)
     return a8 is not None and bool(a8.blocks_t) and a8.block_rows == chunk
-
-
-def _inverse_cdf(p: Tensor, u: Tensor, total: Tensor) -> Tensor:
-    """Per row, the index where the running sum of p [R, W] first exceeds u * total."""
-    cdf = p.cumsum(-1)
-    return torch.searchsorted(cdf, (u * total)[:, None], right=True).squeeze(1).clamp_(max=p.shape[1] - 1)
 
 
 class Reuse(NamedTuple):
