@@ -1,7 +1,7 @@
 """Tensor and expert parallelism on 2 gloo ranks against one process (float32): encode / denoise logits of a tiny
 model with MoE, sliding and full attention and GQA, and its fused vocabulary step over the sharded vocabulary (plain
-and quantized), generated ids of the bundled demo model at its defaults, seeds drawn by rank 0, per-rank weight
-bytes; and the one-line refusals."""
+and quantized), generated ids of the bundled demo model at its defaults, in every mode and with the options that
+read the vocabulary otherwise, seeds drawn by rank 0, per-rank weight bytes; and the one-line refusals."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ TINY = ModelConfig(TextConfig(
     moe_intermediate_size=32, max_position_embeddings=512), canvas_length=8)
 PROMPT = [2, 651, 1024, 77, 900, 12, 3000, 45]
 COMMAND_TOKENS = 32  # one canvas of the demo model
+# the fused step's sparse soft embedding and settled positions; the processed step (whole logits) and logprobs
+OPTIONS = {"sparse": dict(soft_top_k=8, skip_settled=2), "knobs": dict(top_p=0.9, logit_bias={5: 2.0}, logprobs=2)}
 
 
 def passes(model: DiffusionGemma) -> list[torch.Tensor]:
@@ -81,6 +83,9 @@ def _rank(rank: int, port: int, tiny: str, out: str) -> None:
         kwargs = dict(max_new_tokens=8, seed=1, mode=mode, sampling=sampling)
         results[mode, sampling] = (single_model.generate(PROMPT, **kwargs).token_ids,
                                    demo.generate(PROMPT, **kwargs).token_ids)
+    for name, options in OPTIONS.items():
+        runs = [m.generate(PROMPT, max_new_tokens=16, seed=2, **options) for m in (single_model, demo)]
+        results[name] = [(r.token_ids, r.logprobs) for r in runs]
     for name, options in (("timed", {"target_canvas_ms": 50.0}), ("speculative", {"mode": "speculative"})):
         demo.speculative_pacing = "timed"
         try:
@@ -158,6 +163,18 @@ def test_generated_ids_match_one_process(ranks):
 def test_other_decodings_match_one_process(ranks, mode):
     single, tp = ranks[0][mode]
     assert tp == single and len(single) > 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_sampling_options_match_one_process(ranks, name):
+    """Options that read the sharded vocabulary otherwise: a sparse soft embedding and settled positions in the
+    fused step; sampling knobs (the whole logits, gathered) and logprobs."""
+    (single, single_logprobs), (tp, tp_logprobs) = ranks[0][name]
+    assert tp == single and len(single) > 8
+    if single_logprobs is not None:  # (token, logprob, [(alternative, logprob), ...]) per token
+        pairs = [(a, b) for x, y in zip(single_logprobs, tp_logprobs) for a, b in zip([x[:2], *x[2]], [y[:2], *y[2]])]
+        assert len(pairs) > 16 and all(a[0] == b[0] and abs(a[1] - b[1]) < 1e-4 for a, b in pairs)
 
 
 @pytest.mark.slow
