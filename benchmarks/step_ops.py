@@ -51,7 +51,7 @@ def accelerator_settings(chunk: int) -> None:
     """What the vocabulary step does off the CPU (older checkouts, which had one chunk size for every device:
     the same through their own names)."""
     if hasattr(fused, "vocab_chunk"):
-        fused.vocab_chunk = lambda device: chunk
+        fused.vocab_chunk = lambda device, shard=None: chunk
         fused.sync_free_default = lambda device: True
     else:
         fused.VOCAB_CHUNK = chunk

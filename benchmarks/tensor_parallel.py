@@ -1,11 +1,12 @@
 """Per-rank weight memory of DiffusionGemma 26B-A4B (the released shape, bf16) under tensor / expert parallelism:
 the real model is built on the meta device and cut by `dgemma.parallel.shard` exactly as a rank cuts it, for each
-size; nothing is allocated. Sharded: attention, dense and self-conditioning MLPs, experts; replicated: the tied
-embedding / LM head, norms, routers, scalars. Timings live in benchmarks/gpu.py (`--tensor-parallel N` under torchrun).
+size; nothing is allocated. Sharded: attention, dense and self-conditioning MLPs, experts, the tied embedding / LM
+head (over the vocabulary); replicated: norms, routers, scalars. Timings live in benchmarks/gpu.py (`--tensor-parallel N` under torchrun).
 
     python benchmarks/tensor_parallel.py [--sizes 1,2,4,8] [--layers 30] [--dtype bfloat16]
 
-Last stdout line: JSON {shape, dtype, ranks: [{size, sharded_bytes, replicated_bytes, total_bytes, fraction}]}.
+Last stdout line: JSON {shape, dtype, ranks: [{size, sharded_bytes, replicated_bytes, embedding_bytes, total_bytes,
+fraction, sharded_fraction}]} (embedding_bytes: the embedding's part of sharded_bytes).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def per_rank(layers: int, size: int, dtype: torch.dtype) -> dict:
     mine = weight_bytes(model)
     total = mine["sharded"] + mine["replicated"]
     return {"size": size, "sharded_bytes": mine["sharded"], "replicated_bytes": mine["replicated"],
-            "total_bytes": total, "fraction": total / (whole["sharded"] + whole["replicated"]),
+            "embedding_bytes": mine["embedding"], "total_bytes": total, "fraction": total / (whole["sharded"] + whole["replicated"]),
             "sharded_fraction": mine["sharded"] / whole["sharded"]}
 
 
@@ -47,9 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     ranks = [per_rank(args.layers, n, parse_dtype(args.dtype)) for n in args.sizes]
     for r in ranks:
-        print(f"tp {r['size']}: {r['total_bytes'] / 2**30:6.2f} GiB a rank ({r['sharded_bytes'] / 2**30:.2f} sharded "
-              f"+ {r['replicated_bytes'] / 2**30:.2f} replicated), {r['fraction']:.3f} of one process",
-              file=sys.stderr)
+        print(f"tp {r['size']}: {r['total_bytes'] / 2**30:6.2f} GiB a rank ({r['sharded_bytes'] / 2**30:.2f} sharded, "
+              f"of which {r['embedding_bytes'] / 2**30:.2f} embedding, + {r['replicated_bytes'] / 2**30:.3f} "
+              f"replicated), {r['fraction']:.3f} of one process", file=sys.stderr)
     print(json.dumps({"shape": f"26B-A4B, {args.layers} layers", "dtype": args.dtype, "ranks": ranks}))
     return 0
 

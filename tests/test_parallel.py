@@ -1,6 +1,7 @@
 """Tensor and expert parallelism on 2 gloo ranks against one process (float32): encode / denoise logits of a tiny
-model with MoE, sliding and full attention and GQA (plain and quantized), generated ids of the bundled demo model
-at its defaults, seeds drawn by rank 0, per-rank weight bytes; and the one-line refusals."""
+model with MoE, sliding and full attention and GQA, and its fused vocabulary step over the sharded vocabulary (plain
+and quantized), generated ids of the bundled demo model at its defaults, in every mode and with the options that
+read the vocabulary otherwise, seeds drawn by rank 0, per-rank weight bytes; and the one-line refusals."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dgemma.config import FULL, SLIDING, ModelConfig, TextConfig
 from dgemma.errors import ConfigError, SamplingParamsError
 from dgemma.model import DiffusionGemma
 from dgemma.parallel.shard import check
+from dgemma.sampling.fused import num_uniforms, vocab_step
 from dgemma.weights import save_model
 
 WORLD = 2
@@ -28,6 +30,8 @@ TINY = ModelConfig(TextConfig(
     moe_intermediate_size=32, max_position_embeddings=512), canvas_length=8)
 PROMPT = [2, 651, 1024, 77, 900, 12, 3000, 45]
 COMMAND_TOKENS = 32  # one canvas of the demo model
+# the fused step's sparse soft embedding and settled positions; the processed step (whole logits) and logprobs
+OPTIONS = {"sparse": dict(soft_top_k=8, skip_settled=2), "knobs": dict(top_p=0.9, logit_bias={5: 2.0}, logprobs=2)}
 
 
 def passes(model: DiffusionGemma) -> list[torch.Tensor]:
@@ -40,6 +44,23 @@ def passes(model: DiffusionGemma) -> list[torch.Tensor]:
     return [encoded, first, model.head(model.denoise(canvas, cache, signal=model.soft_embed(first)))]
 
 
+def steps(model: DiffusionGemma) -> list:
+    """The fused vocabulary step over denoised hidden states, with a dense and a sparse soft embedding, in chunks of
+    64 (a rank streams 2 of one process's 4) and of 256 (one process's one chunk spans both ranks)."""
+    g = torch.Generator().manual_seed(2)
+    hidden = model.denoise(torch.randint(3, 256, (2, 8), generator=g), model.new_cache(2, 16)).flatten(0, 1)
+    inv_temp, head = torch.full((16,), 1.5), model.lm_head
+    return [vocab_step(hidden, head.weight, head.softcap, head.scale, inv_temp,
+                       torch.rand(16, num_uniforms(256, chunk), generator=g), chunk=chunk, top_k=k, shard=head.shard)
+            for chunk, k in ((64, None), (64, 4), (256, None))]
+
+
+def compare_steps(one: list, tp: list) -> dict:
+    return {"ids": all(torch.equal(a.argmax, b.argmax) and torch.equal(a.sample, b.sample) for a, b in zip(one, tp)),
+            "diff": max(max((a.entropy - b.entropy).abs().max().item(), (a.signal - b.signal).abs().max().item())
+                        for a, b in zip(one, tp)),
+            "drawn": sum(int((a.sample != a.argmax).sum()) for a in one)}
+
 def _rank(rank: int, port: int, tiny: str, out: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -50,6 +71,7 @@ def _rank(rank: int, port: int, tiny: str, out: str) -> None:
             one = dgemma.load(tiny, dtype="float32", quantize=quantize).module
             tp = dgemma.load(tiny, dtype="float32", quantize=quantize, tensor_parallel_size=WORLD).module
             results[quantize] = {"diff": max((a - b).abs().max().item() for a, b in zip(passes(one), passes(tp))),
+                                 "step": compare_steps(steps(one), steps(tp)),
                                  "one": parallel.weight_bytes(one), "rank": parallel.weight_bytes(tp)}
     kwargs = dict(max_new_tokens=COMMAND_TOKENS, seed=0)
     single_model = dgemma.load(dtype="float32")
@@ -61,6 +83,9 @@ def _rank(rank: int, port: int, tiny: str, out: str) -> None:
         kwargs = dict(max_new_tokens=8, seed=1, mode=mode, sampling=sampling)
         results[mode, sampling] = (single_model.generate(PROMPT, **kwargs).token_ids,
                                    demo.generate(PROMPT, **kwargs).token_ids)
+    for name, options in OPTIONS.items():
+        runs = [m.generate(PROMPT, max_new_tokens=16, seed=2, **options) for m in (single_model, demo)]
+        results[name] = [(r.token_ids, r.logprobs) for r in runs]
     for name, options in (("timed", {"target_canvas_ms": 50.0}), ("speculative", {"mode": "speculative"})):
         demo.speculative_pacing = "timed"
         try:
@@ -106,12 +131,23 @@ def test_logits_match_one_process(ranks, quantize):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("quantize", [None, "int8", "nvfp4"])
+def test_fused_vocabulary_step_matches_one_process(ranks, quantize):
+    """Each rank streams its half of the vocabulary; the merged argmax and samples equal one process's, entropy
+    and soft embeddings (dense and top-k) within 1e-4."""
+    for r in ranks:
+        step = r[quantize]["step"]
+        assert step["ids"] and step["diff"] < 1e-4 and step["drawn"] > 4  # samples other than the argmax
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantize", [None, "int8", "nvfp4"])
 def test_each_rank_holds_half_of_the_sharded_weights(ranks, quantize):
     for r in ranks:
         one, mine = r[quantize]["one"], r[quantize]["rank"]
         assert mine["replicated"] == one["replicated"]
         # the full layer's one KV head is on both ranks: a little over half
         assert one["sharded"] / WORLD <= mine["sharded"] <= 0.55 * one["sharded"]
+        assert mine["embedding"] * WORLD == one["embedding"] > 0  # codes and scales alike
 
 
 @pytest.mark.slow
@@ -127,6 +163,18 @@ def test_generated_ids_match_one_process(ranks):
 def test_other_decodings_match_one_process(ranks, mode):
     single, tp = ranks[0][mode]
     assert tp == single and len(single) > 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_sampling_options_match_one_process(ranks, name):
+    """Options that read the sharded vocabulary otherwise: a sparse soft embedding and settled positions in the
+    fused step; sampling knobs (the whole logits, gathered) and logprobs."""
+    (single, single_logprobs), (tp, tp_logprobs) = ranks[0][name]
+    assert tp == single and len(single) > 8
+    if single_logprobs is not None:  # (token, logprob, [(alternative, logprob), ...]) per token
+        pairs = [(a, b) for x, y in zip(single_logprobs, tp_logprobs) for a, b in zip([x[:2], *x[2]], [y[:2], *y[2]])]
+        assert len(pairs) > 16 and all(a[0] == b[0] and abs(a[1] - b[1]) < 1e-4 for a, b in pairs)
 
 
 @pytest.mark.slow
@@ -213,6 +261,31 @@ def test_a_cut_inside_a_quantization_group_is_refused():
         _quantized(int4, -1, 16, 80)
     part = _quantized(per_channel, -1, 16, 80)  # one scale a row: any cut
     assert torch.equal(part.dequantize(), per_channel.dequantize()[:, 16:80])
+
+
+def test_vocabulary_shards_sum_to_the_whole_embedding(monkeypatch):
+    """The embedding's rows split over the ranks, float and every quantized format: the ranks' lookups (zeros for
+    the other ranks' ids) and soft embeddings (each its part of p @ E) sum to the whole embedding's (the
+    all-reduce, stubbed)."""
+    from types import SimpleNamespace
+
+    from dgemma.model import head
+    from dgemma.parallel.shard import _quantized
+
+    monkeypatch.setattr(head, "all_reduce", lambda x, group: x)
+    torch.manual_seed(0)
+    w, ids, logits, width = torch.randn(64, 128), torch.randint(0, 64, (3, 5)), torch.randn(3, 64), 64 // WORLD
+    for q in [w, *_formats(w)]:
+        whole = head.Head(SimpleNamespace(weight=q), None, 2.0)
+        rows, soft = [], []
+        for lo in range(0, 64, width):
+            part = q[lo:lo + width] if isinstance(q, torch.Tensor) else _quantized(q, -2, lo, lo + width)
+            mine = head.Head(SimpleNamespace(weight=part), None, 2.0)
+            mine.shard = head.VocabShard(lo, lo + width, 64, "stub")
+            rows.append(mine.rows(ids))
+            soft.append(mine.soft_embed(logits))
+        torch.testing.assert_close(sum(rows), whole.rows(ids))
+        torch.testing.assert_close(sum(soft), whole.soft_embed(logits), rtol=1e-5, atol=1e-5)
 
 
 def test_expert_shards_sum_to_the_whole_layer(monkeypatch):

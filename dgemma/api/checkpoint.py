@@ -67,7 +67,7 @@ def open_checkpoint(path_or_repo: str | Path | None, dtype: str | torch.dtype, d
     if repacks and int4cpu.convert(module) and cache is not None:
         cache.store(module)  # the next load memory-maps what was just repacked (weights/kernel_cache.py)
     if spec is not None and spec.int8_activations and not a8.enable(module, module.embed_tokens.weight,
-                                                                     vocab_chunk(device)):
+                                                                     vocab_chunk(device, module.lm_head.shard)):
         raise DgemmaError(f"quantize={spec.name}: {directory} has no quantized 2D weights to run with int8 "
                           "activations (int8+a8 or int4+a8 quantizes them while loading)")
     if compile:

@@ -22,7 +22,6 @@ from dgemma.model.layers import GatedMLP, RMSNorm, rope_cos_sin
 from dgemma.model.moe import Experts, Router
 from dgemma.model.soft_tokens import SoftTokens, chunk_bounds
 from dgemma.model.vision import Vision
-from dgemma.quant import QuantizedWeight
 
 # Prompt tokens encoded per pass by `prefill`: bounds activation memory (MoE rows, attention masks) at any
 # prompt length while keeping each pass large enough to use the matmul units well.
@@ -117,8 +116,7 @@ class DiffusionGemma(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight
-        rows = w.embedding(ids) if isinstance(w, QuantizedWeight) else self.embed_tokens(ids)
-        return rows * torch.tensor(self.embed_scale, dtype=w.dtype, device=w.device)
+        return self.lm_head.rows(ids) * torch.tensor(self.embed_scale, dtype=w.dtype, device=w.device)
 
     @torch.no_grad()
     def image_ids(self, key: str, patches: torch.Tensor, positions: torch.Tensor) -> tuple[list[int], torch.Tensor]:

@@ -25,11 +25,19 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    """The sum of x over a tensor-parallel process group, in place (x itself without one): the one collective the
-    model runs, after a row-parallel Linear and after the experts a rank holds (dgemma/parallel shards them)."""
+    """The sum of x over a tensor-parallel process group, in place (x itself without one): the collective of a
+    pass, after a row-parallel Linear, after the experts a rank holds and after a vocabulary shard's rows
+    (dgemma/parallel shards them)."""
     if group is not None:
         torch.distributed.all_reduce(x, group=group)
     return x
+
+
+def all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """x of every rank of a tensor-parallel process group, stacked in rank order [world, *x.shape]."""
+    parts = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, x.contiguous(), group=group)
+    return torch.stack(parts)
 
 
 class Linear(nn.Linear):

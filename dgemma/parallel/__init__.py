@@ -1,9 +1,11 @@
-"""One model across devices: tensor parallelism (attention heads, MLP columns) and expert parallelism (MoE experts)
-through torch.distributed, every rank running the same engine loop on the same requests (SPMD).
+"""One model across devices: tensor parallelism (attention heads, MLP columns, vocabulary rows) and expert
+parallelism (MoE experts) through torch.distributed, every rank running the same engine loop on the same requests
+(SPMD).
 
 `group.py` joins torchrun's process group; `shard.py` cuts a loaded model in place; the model's own code holds the
-only collective of a pass (`model.layers.all_reduce`, after o_proj, down_proj and the experts). Decisions that
-depend on wall time would differ between ranks and are refused here (`check_request`).
+collectives of a pass (`model.layers.all_reduce` after o_proj, down_proj, the experts and the embedding lookups;
+the head's gathered logits) and the fused vocabulary step merges its ranks' statistics (sampling/vocab_shards.py).
+Decisions that depend on wall time would differ between ranks and are refused here (`check_request`).
 """
 
 from __future__ import annotations

@@ -7,8 +7,10 @@
 - MoE: each rank holds E/N whole experts (expert parallel), the router stays whole on every rank, each rank runs the
   rows routed to its experts and one all-reduce sums the partial outputs (exact; an all-to-all that sends each row
   to its experts' ranks would move k rows per token instead of a whole activation, worth it past one node);
-- the tied embedding / LM head and everything else (norms, router, vision tower) are replicated: every rank computes
-  the same logits from the same all-reduced hidden states, so samplers stay in lockstep without a collective.
+- the tied embedding / LM head: each rank keeps V/N contiguous rows (a `VocabShard` on the head): the input lookup
+  and the self-conditioning soft embedding sum the ranks' parts (one all-reduce), logits are gathered from the
+  ranks, and the fused vocabulary step merges the ranks' running statistics (sampling/vocab_shards.py);
+- everything else (norms, router, vision tower) is replicated.
 
 Quantized weights shard too: rows (and experts) of their codes and scales, and columns at group boundaries.
 """
@@ -22,6 +24,7 @@ from torch import nn
 
 from dgemma.config import ModelConfig, TextConfig
 from dgemma.errors import ConfigError
+from dgemma.model.head import VocabShard
 from dgemma.parallel.group import Group
 from dgemma.quant import QuantizedWeight
 from dgemma.quant.int4cpu import CPUInt4Weight
@@ -38,6 +41,7 @@ def shard(module: nn.Module, group: Group) -> None:
         _mlp(block.mlp, group)
         _experts(block.experts, group)
     _mlp(module.self_conditioning, group)
+    _vocabulary(module, group)
     module.cfg = rank_config(module.cfg, group.world)
     module.parallel = group
 
@@ -45,7 +49,7 @@ def shard(module: nn.Module, group: Group) -> None:
 def check(text: TextConfig, world: int) -> None:
     """One-line errors for a model that `world` ranks cannot share."""
     for name, value in (("num_attention_heads", text.num_attention_heads), ("intermediate_size", text.intermediate_size),
-                        ("num_experts", text.num_experts)):
+                        ("num_experts", text.num_experts), ("vocab_size", text.vocab_size)):
         if value % world:
             raise ConfigError(f"tensor parallel size {world} does not divide {name}={value}")
     heads = text.num_attention_heads // world
@@ -102,6 +106,14 @@ def _experts(experts: nn.Module, group: Group) -> None:
     experts.first, experts.group = group.rank * count, group.pg
 
 
+def _vocabulary(module: nn.Module, group: Group) -> None:
+    vocab = module.embed_tokens.weight.shape[0]
+    width = vocab // group.world
+    lo = group.rank * width
+    _slice(module.embed_tokens, ROWS, lo, lo + width)
+    module.lm_head.shard = VocabShard(lo, lo + width, vocab, group.pg)
+
+
 def _slice(owner: nn.Module, dim: int, lo: int, hi: int, leaf: str = "weight") -> None:
     """Replace owner.<leaf> by its lo..hi along `dim`."""
     w = getattr(owner, leaf)
@@ -131,13 +143,15 @@ def _quantized(w: QuantizedWeight, dim: int, lo: int, hi: int) -> QuantizedWeigh
 
 
 def weight_bytes(module: nn.Module) -> dict[str, int]:
-    """Bytes of weights a module holds: the sharded parts (attention, MLPs, experts) and the replicated rest."""
+    """Bytes of weights a module holds: the sharded parts (attention, MLPs, experts, the embedding), the replicated
+    rest, and the embedding's share of the sharded bytes."""
     sharded = [m.self_attn for m in module.layers] + [m.mlp for m in module.layers] + \
-        [m.experts for m in module.layers] + [module.self_conditioning]
+        [m.experts for m in module.layers] + [module.self_conditioning, module.embed_tokens]
     mine = {id(t) for m in sharded for t in _tensors(m)}
     total = {id(t): t.numel() * t.element_size() for t in _tensors(module)}
     part = sum(b for i, b in total.items() if i in mine)
-    return {"sharded": part, "replicated": sum(total.values()) - part}
+    return {"sharded": part, "replicated": sum(total.values()) - part,
+            "embedding": sum(total[id(t)] for t in _tensors(module.embed_tokens))}
 
 
 def _tensors(module: nn.Module) -> list[torch.Tensor]:

@@ -8,6 +8,10 @@ only [positions, chunk] blocks are alive (preallocated once per step), and no ra
 vocabulary entry. Scores are kept in base 2 (log2 e folded into the scale) because exp2 is several times
 cheaper than exp on CPUs.
 
+Under tensor parallelism (`head.shard`) each rank streams its own vocabulary rows, in the chunks (or the part
+of one chunk) one process streams there, with the same uniforms; `vocab_shards.merge` then makes every rank's
+statistics the whole vocabulary's.
+
 Two opt-in savings (defaults off, `SamplingParams.soft_top_k` / `skip_settled`): a sparse soft embedding (the
 running top-k of each position's distribution, renormalised, times those k embedding rows, instead of the p @ E
 GEMM over the whole vocabulary), and settled positions left out of the step (their previous outputs reused).
@@ -21,12 +25,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from dgemma.model.head import Head, embedding_rows
-from dgemma.model.layers import gemm_dtype
+from dgemma.model.head import Head, VocabShard, embedding_rows
+from dgemma.model.layers import all_reduce, gemm_dtype
 from dgemma.quant import QuantizedWeight
 from dgemma.quant.a8 import quantize_rows
 from dgemma.sampling.processing import Processor, processed_step
-from dgemma.sampling.samplers import StepOutput, entropy_bound_accept, random_tokens, renoise
+from dgemma.sampling.samplers import StepOutput, entropy_bound_accept, inverse_cdf, random_tokens, renoise
+from dgemma.sampling.vocab_shards import merge
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -38,10 +43,14 @@ class VocabStep(NamedTuple):
     signal: Tensor | None  # [N, H] soft embedding softmax(logits / T) @ E * sqrt(H), in E's dtype
 
 
-def vocab_chunk(device: torch.device) -> int:
+def vocab_chunk(device: torch.device, shard: VocabShard | None = None) -> int:
     """Vocabulary entries per chunk: small blocks that stay in a CPU's caches; on accelerators few large
-    blocks, so that a step is tens of kernel launches, not thousands."""
-    return 2048 if device.type == "cpu" else 65536
+    blocks, so that a step is tens of kernel launches, not thousands. A vocabulary shard streams one process's
+    chunks, whole ones or (a narrower shard) an equal part of one; other widths take chunks that divide them,
+    and so draw otherwise than one process."""
+    chunk = 2048 if device.type == "cpu" else 65536
+    width = chunk if shard is None else shard.hi - shard.lo
+    return chunk if width % chunk == 0 or chunk % width == 0 else math.gcd(chunk, width)
 
 
 def sync_free_default(device: torch.device) -> bool:
@@ -104,11 +113,13 @@ class _Running:
         self.sample = torch.zeros_like(self.argmax)
         self.top = torch.empty(n, 0, **f32)  # sparse soft embedding: the k best squashed scores so far
         self.top_ids = torch.empty(n, 0, dtype=torch.long, device=device)
+        self.chunks: list[tuple[Tensor, Tensor, Tensor]] = []  # a vocabulary shard's (peak, mass, candidate) each
 
-    def signal(self, embedding: Tensor | QuantizedWeight, embed_scale: float, scale: Tensor, shift: Tensor) -> Tensor:
+    def signal(self, embedding: Tensor | QuantizedWeight, embed_scale: float, scale: Tensor, shift: Tensor,
+               shard: VocabShard | None = None) -> Tensor:
         """The soft embedding: dense (the running p @ E), or sparse over the running top-k when it was tracked."""
         if self.top.shape[1]:
-            return sparse_soft_embedding(self.top * scale - shift, self.top_ids, embedding, embed_scale)
+            return sparse_soft_embedding(self.top * scale - shift, self.top_ids, embedding, embed_scale, shard)
         return (self.soft / self.mass[:, None] * embed_scale).to(embedding.dtype)
 
     def update_topk(self, squashed: Tensor, lo: int, k: int) -> None:
@@ -147,23 +158,30 @@ class _Running:
         candidate (an inverse-CDF draw inside the chunk)."""
         take = u_take * self.mass < chunk_mass
         if self.sync_free:
-            self.sample = torch.where(take, _inverse_cdf(p, u_pick, chunk_mass) + lo, self.sample)
+            self.sample = torch.where(take, inverse_cdf(p, u_pick, chunk_mass) + lo, self.sample)
         elif bool(take.any()):
             rows = take.nonzero().squeeze(1)
-            self.sample[rows] = _inverse_cdf(p[rows], u_pick[rows], chunk_mass[rows]) + lo
+            self.sample[rows] = inverse_cdf(p[rows], u_pick[rows], chunk_mass[rows]) + lo
+
+    def record_chunk(self, p: Tensor, chunk_mass: Tensor, u_pick: Tensor, lo: int) -> None:
+        """A vocabulary shard's chunk: whether it replaces the sample depends on the mass of the ranks before this
+        one, so its candidate is drawn for every row and `vocab_shards.merge` makes the choices."""
+        self.chunks.append((self.peak, chunk_mass, inverse_cdf(p, u_pick, chunk_mass) + lo))
 
 
 def vocab_step(hidden: Tensor, embedding: Tensor | QuantizedWeight, softcap: float, embed_scale: float,
                inv_temp: Tensor, uniforms: Tensor, want_signal: bool = True, sync_free: bool | None = None,
-               chunk: int | None = None, top_k: int | None = None) -> VocabStep:
+               chunk: int | None = None, top_k: int | None = None, shard: VocabShard | None = None) -> VocabStep:
     """hidden [N, H] (final-normed), embedding [V, H], inv_temp [N], uniforms [N, num_uniforms(V, chunk)] in
-    [0, 1); chunk defaults to `vocab_chunk(device)`.
+    [0, 1); chunk defaults to `vocab_chunk(device, shard)`. `shard`: this rank's rows of the vocabulary, the
+    embedding [hi - lo, H] (its uniforms still the whole vocabulary's).
     `want_signal=False` skips the soft embedding (half the GEMM work) when no later step will read it; `top_k`
     makes it sparse: softmax over each position's k most likely entries only, times their k embedding rows.
     `sync_free` (default: off the CPU) updates every row each chunk instead of asking the host which rows
     changed: more arithmetic, no device-to-host synchronisation."""
     n, v, device = hidden.shape[0], embedding.shape[0], hidden.device
-    chunk = chunk or vocab_chunk(device)
+    chunk = chunk or vocab_chunk(device, shard)
+    base = 0 if shard is None else shard.lo  # the vocabulary id of the embedding's first row
     mm_dtype = gemm_dtype(embedding)
     buf = _Buffers(n, min(chunk, v), embedding.shape[1], mm_dtype, device, softcap)
     run = _Running(n, embedding.shape[1], device, sync_free_default(device) if sync_free is None else sync_free)
@@ -176,30 +194,42 @@ def vocab_step(hidden: Tensor, embedding: Tensor | QuantizedWeight, softcap: flo
     for k, lo in enumerate(range(0, v, chunk)):
         w = rows.logits(k, lo, chunk)
         s = buf.squash(w)
-        top = run.update_argmax(s, lo)
+        top = run.update_argmax(s, base + lo)
         if want_signal and top_k:
-            run.update_topk(s, lo, top_k)
+            run.update_topk(s, base + lo, top_k)
         new_peak = torch.maximum(run.peak, (top[:, None] * scale - shift).squeeze(1))
         s.mul_(scale).sub_(shift + new_peak[:, None])  # s - peak <= 0
         p = torch.exp2(s, out=buf.prob[:, :w])
         chunk_mass = run.update_mass(s, p, new_peak)  # s is not needed after this
         if want_signal and not top_k:
             run.soft.mul_(run.decay[:, None]).add_(rows.soft(k, p))
-        run.update_sample(p, chunk_mass, uniforms[:, 2 * k], uniforms[:, 2 * k + 1], lo)
+        g = (base + lo) // chunk  # the chunk's place in the whole vocabulary: its uniforms
+        if shard is None:
+            run.update_sample(p, chunk_mass, uniforms[:, 2 * g], uniforms[:, 2 * g + 1], lo)
+        else:
+            run.record_chunk(p, chunk_mass, uniforms[:, 2 * g], base + lo)
+    if shard is not None:
+        merge(run, shard, uniforms, p, want_signal, top_k)
     entropy = (torch.log2(run.mass) - run.moment / run.mass) / LOG2E
-    signal = run.signal(embedding, embed_scale, scale, shift) if want_signal else None
+    signal = run.signal(embedding, embed_scale, scale, shift, shard) if want_signal else None
     return VocabStep(run.argmax, run.sample, entropy, signal)
 
 
 def sparse_soft_embedding(scores: Tensor, ids: Tensor, embedding: Tensor | QuantizedWeight,
-                          embed_scale: float) -> Tensor:
+                          embed_scale: float, shard: VocabShard | None = None) -> Tensor:
     """softmax over base-2 scores [N, k] (renormalised over those k) @ E[ids [N, k]] * embed_scale, in E's dtype:
-    a weighted sum of k embedding rows per position (embedding_bag: the [N, k, H] gather is never built)."""
+    a weighted sum of k embedding rows per position (embedding_bag: the [N, k, H] gather is never built). Under
+    tensor parallelism each rank sums the rows it holds, then the ranks' sums are summed."""
     w = torch.softmax(scores / LOG2E, dim=-1)
+    if shard is not None:
+        ids, mine = shard.local(ids)
+        w = w * mine
     if isinstance(embedding, QuantizedWeight):
         out = torch.einsum("nk,nkh->nh", w, embedding.embedding(ids).float())
     else:
         out = torch.nn.functional.embedding_bag(ids, embedding, per_sample_weights=w.to(embedding.dtype), mode="sum")
+    if shard is not None:
+        out = all_reduce(out, shard.group)
     return (out * embed_scale).to(embedding.dtype)
 
 
@@ -239,12 +269,6 @@ def _int8_ready(embedding: Tensor | QuantizedWeight, chunk: int) -> bool:
     return a8 is not None and bool(a8.blocks_t) and a8.block_rows == chunk
 
 
-def _inverse_cdf(p: Tensor, u: Tensor, total: Tensor) -> Tensor:
-    """Per row, the index where the running sum of p [R, W] first exceeds u * total."""
-    cdf = p.cumsum(-1)
-    return torch.searchsorted(cdf, (u * total)[:, None], right=True).squeeze(1).clamp_(max=p.shape[1] - 1)
-
-
 class Reuse(NamedTuple):
     """Settled positions a step leaves out, and their previous outputs it reuses (engine/features/skip_settled.py)."""
 
@@ -266,7 +290,7 @@ def fast_step(hidden: Tensor, head: Head, inv_temp: Tensor, entropy_bound: Tenso
     each row's sampling knobs (None: none; such a row's step is `processed_step`'s)."""
     bsz, c, h = hidden.shape
     vocab, device = head.vocab_size, hidden.device
-    chunk = vocab_chunk(device)
+    chunk = vocab_chunk(device, head.shard)
     uniforms = torch.zeros(bsz, c, num_uniforms(vocab, chunk), device=device)
     noise = torch.zeros(bsz, c, dtype=torch.long, device=device)
     for i in (i for i, d in enumerate(done) if not d):  # each generator: uniforms, then noise
@@ -276,12 +300,12 @@ def fast_step(hidden: Tensor, head: Head, inv_temp: Tensor, entropy_bound: Tenso
             uniforms.flatten(0, 1))
     processed = [i for i, p in enumerate(process or ()) if p is not None and not done[i]]
     if reuse is None and not any(top_k or ()) and not processed:
-        out = vocab_step(*args, want_signal=want_signal, chunk=chunk)
+        out = vocab_step(*args, want_signal=want_signal, chunk=chunk, shard=head.shard)
     else:
         ks = torch.tensor([k or 0 for k in top_k or [0] * bsz]).repeat_interleave(c)
         keep = torch.ones(bsz, c, dtype=torch.bool) if reuse is None else ~reuse.skip.cpu()
         keep[processed] = False
-        out = _grouped_step(args, ks, keep.flatten(), want_signal, chunk)
+        out = _grouped_step(args, ks, keep.flatten(), want_signal, chunk, head.shard)
     argmax, sample, entropy = out.argmax.view(bsz, c), out.sample.view(bsz, c), out.entropy.view(bsz, c)
     signal = None if out.signal is None else out.signal.view(bsz, c, h)
     for i in processed:
@@ -301,7 +325,8 @@ def fast_step(hidden: Tensor, head: Head, inv_temp: Tensor, entropy_bound: Tenso
     return StepOutput(renoise(sample, accept, noise), argmax, accept, entropy), signal
 
 
-def _grouped_step(args: tuple, ks: Tensor, keep: Tensor | None, want_signal: bool, chunk: int) -> VocabStep:
+def _grouped_step(args: tuple, ks: Tensor, keep: Tensor | None, want_signal: bool, chunk: int,
+                  shard: VocabShard | None) -> VocabStep:
     """`vocab_step` over the kept positions (keep [N] bool on the host; None: all), one call per soft top-k value
     (ks [N], 0: dense); left-out positions get zeros."""
     hidden, embedding = args[0], args[1]
@@ -315,7 +340,7 @@ def _grouped_step(args: tuple, ks: Tensor, keep: Tensor | None, want_signal: boo
         if idx.numel() == 0:
             continue
         out = vocab_step(args[0][idx], *args[1:4], args[4][idx], args[5][idx], want_signal=want_signal,
-                         chunk=chunk, top_k=k or None)
+                         chunk=chunk, top_k=k or None, shard=shard)
         argmax[idx], sample[idx], entropy[idx] = out.argmax, out.sample, out.entropy
         if want_signal:
             signal[idx] = out.signal

@@ -83,6 +83,12 @@ def exponential_race(probs: Tensor, generators: Generators = None) -> Tensor:
     return torch.div(probs, noise, out=noise).argmax(-1)
 
 
+def inverse_cdf(p: Tensor, u: Tensor, total: Tensor) -> Tensor:
+    """Per row, the index where the running sum of p [R, W] first exceeds u * total."""
+    cdf = p.cumsum(-1)
+    return torch.searchsorted(cdf, (u * total)[:, None], right=True).squeeze(1).clamp_(max=p.shape[1] - 1)
+
+
 def random_tokens(shape: tuple[int, ...], vocab_size: int, device, generators: Generators = None) -> Tensor:
     """Uniform ids in [0, vocab_size), int64."""
     out = torch.empty(shape, dtype=torch.long, device=device)
