@@ -79,7 +79,7 @@ def add_threads_option(p: argparse.ArgumentParser) -> None:
 def add_parallel_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("-tp", "--tensor-parallel-size", type=_positive_int, default=1, metavar="N",
                    help="shard the model over N processes, one a GPU (NCCL) or CPU processes (gloo); dgemma starts "
-                        "them with torchrun, or run it under `torchrun --nproc-per-node N -m dgemma` (default 1)")
+                        "them itself, or run it under `torchrun --nproc-per-node N -m dgemma` (default 1)")
 
 
 
