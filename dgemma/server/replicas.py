@@ -65,7 +65,8 @@ def run(args: argparse.Namespace, worker_parser: argparse.ArgumentParser) -> int
         extra = shlex.split(args.router_args)
     except ValueError as e:
         raise ConfigError(f"--router-args: {e}") from None
-    ports = free_ports(args.replicas + 1)
+    ports = free_ports(args.replicas + 2)
+    metrics_port = ports.pop()  # the router's own Prometheus exporter (its default 29000 clashes between fleets)
     port = args.port or ports.pop()  # --port 0: any free port, as for one server
     children: list[Child] = []
     signals = _stop_on_signals()
@@ -73,10 +74,10 @@ def run(args: argparse.Namespace, worker_parser: argparse.ArgumentParser) -> int
         for i, worker_port in enumerate(ports[:args.replicas]):
             children.append(_start_worker(i, worker_port, args, worker_parser))
         _wait_healthy(children, signals)
-        command = _router_command(router, args, port, [c.url for c in children]) + extra
+        command = _router_command(router, args, port, [c.url for c in children], metrics_port) + extra
         children.append(Child(args.router, spawn(command, os.environ.copy()), f"http://{args.host}:{port}"))
-        log.info("serving %d replicas behind %s (%s) on http://%s:%d", args.replicas, args.router,
-                 args.router_policy, args.host, port)
+        log.info("serving %d replicas behind %s (%s) on http://%s:%d (router metrics on 127.0.0.1:%d)",
+                 args.replicas, args.router, args.router_policy, args.host, port, metrics_port)
         return _supervise(children, signals)
     finally:
         stop([c.process for c in children], args.shutdown_timeout + 10)  # the workers drain first
@@ -91,13 +92,14 @@ def _router_binary(name: str, policy: str) -> str:
     return found
 
 
-def _router_command(binary: str, args: argparse.Namespace, port: int, urls: list[str]) -> list[str]:
+def _router_command(binary: str, args: argparse.Namespace, port: int, urls: list[str], metrics_port: int) -> list[str]:
     """The router on --host and `port` over `urls` (--router-args go last: the routers take the last of a repeated
     flag). vllm-router passes each client's key on to the workers (which check it, and partition their prefix
     caches by it); sglang-router checks the first --api-key (or $DGEMMA_API_KEY) itself."""
     command = [binary, *(["launch"] if args.router == "sglang-router" else []), "--host", args.host,
                "--port", str(port), "--worker-urls", *urls, "--policy", args.router_policy,
-               *HEALTH_CHECKS, "--log-level", "warn" if args.router == "sglang-router" else "warning"]
+               *HEALTH_CHECKS, "--log-level", "warn" if args.router == "sglang-router" else "warning",
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
     if args.router_policy == "cache_aware":  # the routers' 64 in flight is 4x dgemma's batch (default 16)
         command += ["--balance-abs-threshold", str(max(1, args.max_concurrency // 2)), *BALANCE_RELATIVE]
     keys = [*args.api_keys, *filter(None, [os.environ.get(KEY_ENV)])]
