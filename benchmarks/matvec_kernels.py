@@ -33,8 +33,9 @@ over the read bandwidth measured right after (decode_bound.read_bandwidth, same 
     python benchmarks/matvec_kernels.py [--shapes expert_gate_up,...] [--rows 1,2,4,8,16] [--threads 1,2]
         [--repeats 5] [--candidates "torch int4,bnb nf4,..."]
 
-A JSON line after each shape; the last stdout line holds them all: {cpu, shapes, rows, threads, results: {shape: {threads: {M: {candidate: {ms, gb_s,
-x_bw}}}}}, bandwidth_gb_s, rel_err: {shape: {candidate: e}}, skipped: {candidate: why}}.
+A JSON line after each shape; the last stdout line holds them all: {cpu, load_average, rows, threads, results:
+{shape: {threads: {M: {candidate: {ms, gb_s, x_bw}}}}}, bandwidth_gb_s, rel_err: {shape: {candidate: e}},
+skipped: {candidate: why}}.
 """
 
 from __future__ import annotations
@@ -264,8 +265,8 @@ def run_shape(name: str, args, names: set[str], buf: torch.Tensor, skipped: dict
     return results, errors, bws
 
 
-ALL = ["torch int4", "torchao int4", "bnb nf4", "inductor int4", "decode + GEMM int8", "torch int4 x2 int8", "torch int8", "torchao int8",
-       "inductor int8", "a8"]
+ALL = ["torch int4", "torchao int4", "bnb nf4", "inductor int4", "decode + GEMM int8", "torch int4 x2 int8",
+       "torch int8", "torchao int8", "inductor int8", "a8"]
 
 
 def main(argv: list[str] | None = None) -> int:
