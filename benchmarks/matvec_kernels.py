@@ -82,8 +82,7 @@ def int4_candidates(w: torch.Tensor, intw, names: set[str], skipped: dict) -> di
         p = int4cpu.CPUInt4Weight.from_int(intw)
         out["torch int4"] = Candidate(p.kernel_mm, nbytes(p.packed, p.scale_zero), ref)
         if "inductor int4" in names:
-            fn = _compiled(lambda x, q=p.packed, t=p.scale_zero: torch._weight_int4pack_mm_for_cpu(x, q, GROUP, t),
-                           {"q": p.packed, "t": p.scale_zero})
+            fn = _compiled(lambda x, q, t: torch._weight_int4pack_mm_for_cpu(x, q, GROUP, t), p.packed, p.scale_zero)
             out["inductor int4"] = Candidate(fn, out["torch int4"].nbytes, ref)
     if "bnb nf4" in names:
         _try(out, skipped, "bnb nf4", lambda: _bnb(w))
@@ -110,7 +109,7 @@ def int8_candidates(w: torch.Tensor, intw, names: set[str], skipped: dict) -> di
     if "torch int8" in names:
         out["torch int8"] = Candidate(lambda x: torch._weight_int8pack_mm(x, q, sb), nbytes(q, sb), ref)
     if "inductor int8" in names:
-        fn = _compiled(lambda x: torch._weight_int8pack_mm(x, q, sb), {"q": q, "s": sb})
+        fn = _compiled(torch._weight_int8pack_mm, q, sb)
         out["inductor int8"] = Candidate(fn, nbytes(q, sb), ref)
     if "torchao int8" in names and w.numel() <= TORCHAO_MAX:
         _try(out, skipped, "torchao int8", lambda: _torchao(w, "int8"))
@@ -190,24 +189,42 @@ def _dyn4(intw) -> Candidate:
                      lambda: intw.dequantize(dtype=torch.float32))
 
 
-def _compiled(fn, buffers: dict):
-    """max-autotune over `fn` with its weights as a frozen module's buffers (Inductor's WoQ templates want constant
-    weights); compiled on the first call of each M and thread count."""
+class _Frozen(torch.nn.Module):
+    """`op(x, *weights)` with the weights as buffers: Inductor's WoQ templates want weights it can freeze."""
+
+    def __init__(self, op, *weights: torch.Tensor):
+        super().__init__()
+        self.op, self.count = op, len(weights)
+        for i, t in enumerate(weights):
+            self.register_buffer(f"w{i}", t)
+
+    def forward(self, x):
+        return self.op(x, *(getattr(self, f"w{i}") for i in range(self.count)))
+
+
+_COMPILED: list[dict] = []  # every compiled candidate's programs by M, for the thread count in `_THREADS`
+_THREADS = [0]
+
+
+def _compiled(op, *weights: torch.Tensor):
+    """max-autotune over `op(x, *weights)`, compiled on the first call of each M and thread count."""
     import torch._inductor.config as inductor_config
 
     inductor_config.freezing = True
     torch._dynamo.config.cache_size_limit = 64
-    mod = torch.nn.Module()
-    for name, t in buffers.items():
-        mod.register_buffer(name, t)
-    mod.forward = lambda x: fn(x)
-    compiled = {}
+    mod = _Frozen(op, *weights).eval()
+    compiled: dict = {}
+    _COMPILED.append(compiled)
 
     def call(x):
-        key = (x.shape[0], torch.get_num_threads())
-        if key not in compiled:
-            compiled[key] = torch.compile(mod.eval(), mode="max-autotune", dynamic=False)
-        return compiled[key](x)
+        if _THREADS[0] != torch.get_num_threads():  # compiled code keeps its thread count; dynamo does not guard it
+            torch._dynamo.reset()
+            for programs in _COMPILED:
+                programs.clear()
+            _THREADS[0] = torch.get_num_threads()
+        if x.shape[0] not in compiled:
+            compiled[x.shape[0]] = torch.compile(mod, mode="max-autotune", dynamic=False)
+        return compiled[x.shape[0]](x)
     return call
 
 
