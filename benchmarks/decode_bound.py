@@ -18,7 +18,7 @@ round after round.
 - optionally (`--steps N`) one denoising step (decoder pass over the canvas + the fused vocabulary step) per variant.
 
     python benchmarks/decode_bound.py --model DIR [--tokens 8] [--rounds 3] [--threads 1] [--steps 0] [--quantize S]
-        [--variants before,after,a8]
+        [--variants before,after,a8] [--prompt-len 16]
 
 Last stdout line: JSON.
 """
@@ -43,7 +43,9 @@ from dgemma.quant.int4cpu import CPUInt4Weight  # noqa: E402
 from quant_speed import step_seconds  # noqa: E402
 
 
-PROMPT = torch.tensor([[2] + list(range(100, 115))])
+def prompt(n: int) -> torch.Tensor:
+    """A prompt of n tokens: BOS, then ids 100.. (the cache's context for the timed tokens)."""
+    return torch.tensor([[2] + [100 + i % 1000 for i in range(n - 1)]])
 
 
 def read_bandwidth(buf: torch.Tensor, repeats: int = 3) -> float:
@@ -85,9 +87,9 @@ def before(module: torch.nn.Module) -> int:
 
 
 @torch.inference_mode()
-def token_seconds(module, tokens: int) -> float:
-    cache = module.new_cache(1, 16 + tokens + 1)
-    hidden = module.prefill(PROMPT, cache)
+def token_seconds(module, tokens: int, ids: torch.Tensor) -> float:
+    cache = module.new_cache(1, ids.shape[1] + tokens + 1)
+    hidden = module.prefill(ids, cache)
     t0 = time.perf_counter()
     for _ in range(tokens):
         token = module.head(hidden).argmax(-1)
@@ -111,10 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=0, help="denoising steps timed per variant (0: none)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=16, help="tokens in the cache before the timed ones")
     p.add_argument("--variants", default="before,after")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     variants = args.variants.split(",")
+    ids = prompt(args.prompt_len)
     models = {name: dgemma.load(args.model, dtype=args.dtype, quantize=_spec(name, args.quantize)).module
               for name in variants}
     reverted = before(models["before"]) if "before" in models else 0
@@ -125,17 +129,17 @@ def main(argv: list[str] | None = None) -> int:
     steps: dict[str, list[float]] = {name: [] for name in models}
     bandwidths = []
     for name, m in models.items():  # warm-up
-        token_seconds(m, 1)
+        token_seconds(m, 1, ids)
     for r in range(args.rounds):
         bandwidths.append(read_bandwidth(buf))
         for name, m in models.items():
-            times[name].append(token_seconds(m, args.tokens))
+            times[name].append(token_seconds(m, args.tokens, ids))
             ratios[name].append(times[name][-1] * bandwidths[-1] / per_token[name])
         print(f"round {r + 1} ({bandwidths[-1] / 1e9:.1f} GB/s): " + ", ".join(
             f"{n} {t[-1]:.3f} s/token ({ratios[n][-1]:.2f}x)" for n, t in times.items()), file=sys.stderr)
     for _ in range(args.steps):
         for name, m in models.items():
-            steps[name].append(step_seconds(m, PROMPT))
+            steps[name].append(step_seconds(m, ids))
         print("step: " + ", ".join(f"{n} {t[-1]:.2f} s" for n, t in steps.items()), file=sys.stderr)
     out = {}
     for name in models:
@@ -149,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     base = out[variants[0]]["seconds_per_token"]
     speedup = {n: round(base / r["seconds_per_token"], 2) for n, r in out.items()}
     print(json.dumps({"model": args.model, "dtype": str(models[variants[0]].dtype).removeprefix("torch."),
-                      "threads": args.threads, "cpu": torch.backends.cpu.get_cpu_capability(),
+                      "threads": args.threads, "prompt_len": args.prompt_len,
+                      "cpu": torch.backends.cpu.get_cpu_capability(),
                       "read_bandwidth_gb_s": [round(b / 1e9, 2) for b in bandwidths], "reverted_2d_weights": reverted,
                       f"speedup_over_{variants[0]}": speedup,
                       "results": out}))

@@ -49,7 +49,7 @@ def prefill_and_denoise(model, prompt, valid=None, positions=None):
     return hidden, model.denoise(canvas, cache), cache
 
 
-@pytest.mark.parametrize("n", [4, WINDOW, 15])
+@pytest.mark.parametrize("n", [5, WINDOW, 15])  # prompts past attention.FEW_QUERIES: SDPA
 @torch.no_grad()
 def test_unmasked_prefill_and_decoder_equal_masked(model, n, sdpa_calls, monkeypatch):
     prompt = torch.randint(0, 200, (2, n), generator=torch.Generator().manual_seed(n))
@@ -105,3 +105,31 @@ def test_steps_read_nothing_from_the_device(model):
             model.denoise(torch.randint(0, 200, (2, 5)), cache)
             model.encode(torch.randint(0, 200, (2, 1)), cache)
         assert rec.reads == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("head_dim,kv_heads,keys", [(16, 2, 3), (64, 2, 40), (128, 1, 300)])
+@torch.inference_mode()
+def test_few_queries_match_float64_softmax(dtype, n, head_dim, kv_heads, keys, sdpa_calls):
+    """A few queries on a CPU (a decoded token, a short draft) take the float32 block softmax, not SDPA: the float64
+    reference's softmax(q k^T) v over GQA heads, unmasked, with a padding mask, and causal (lower right)."""
+    from dgemma.cache.views import Span
+    from dgemma.model.attention import attend
+
+    g = torch.Generator().manual_seed(keys)
+    q = torch.randn(2, 4, n, head_dim, generator=g).to(dtype)
+    k, v = (torch.randn(2, kv_heads, keys, head_dim, generator=g).div(head_dim ** 0.5).to(dtype) for _ in range(2))
+    mask = torch.rand(2, 1, n, keys, generator=g) > 0.3
+    mask[..., -1] = True  # the token's own slot
+    causal = torch.arange(keys) <= torch.arange(keys - n, keys)[:, None]
+    for m, span in ((None, Span(0)), (mask, Span(0, mask)), (causal, Span(0, None, True))):
+        got = attend(q, k, v, span)
+        kr, vr = (t.double().repeat_interleave(4 // kv_heads, dim=1) for t in (k, v))
+        scores = q.double() @ kr.transpose(-1, -2)
+        if m is not None:
+            scores = scores.masked_fill(~m, float("-inf"))
+        ref = scores.softmax(-1) @ vr
+        tol = 1e-5 if dtype == torch.float32 else 2**-7
+        assert ((got.double() - ref).abs() / ref.abs().clamp_min(1)).max() <= tol
+    assert not sdpa_calls

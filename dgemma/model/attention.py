@@ -29,6 +29,8 @@ from dgemma.model.layers import Linear, RMSNorm, apply_rope, rope_cos_sin, rope_
 FLASH_MAX_HEAD_DIM = 256
 # Mask entries one SDPA call takes at most (SDPA makes a float copy of a boolean mask: 1 MB at float32).
 MASK_FLOATS = 1 << 18
+# Queries a pass may have for `attend` to skip SDPA on a CPU (measured crossover: SDPA wins from ~16).
+FEW_QUERIES = 4
 # Full-attention layers reading more cached slots than this (without a graph) attend a block of keys at a time,
 # deriving only that block's keys and values; blocks hold at most BLOCK_FLOATS scores.
 WHOLE_KEYS = 1024
@@ -48,7 +50,12 @@ class Part(NamedTuple):
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: Span) -> torch.Tensor:
     """SDPA over q [B, heads, n, D], k/v [B, kv_heads, S, D] with score scale 1.0. A mask is taken a block of
-    query rows at a time: SDPA turns a boolean mask into a float copy, which would otherwise grow with the cache."""
+    query rows at a time: SDPA turns a boolean mask into a float copy, which would otherwise grow with the cache.
+    A few queries on a CPU (a decoded token, a row of a rows-apart check, a short draft) take blocked.py's float32
+    softmax instead: SDPA's CPU flash kernel spent 10-50x longer on one query, 1.5-3.5x on four (docs/kernels.md)."""
+    if q.shape[2] <= FEW_QUERIES and q.device.type == "cpu" and not torch.is_grad_enabled():
+        return attend_blocks(q, k.shape[2], lambda keys: (k[:, :, keys], v[:, :, keys]), span.mask, span.causal,
+                             max(16, BLOCK_FLOATS // (q.shape[1] * q.shape[2])))
     if span.mask is None:
         return _sdpa(q, k, v, None, span.causal)
     rows = max(1, MASK_FLOATS // k.shape[2])

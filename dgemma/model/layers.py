@@ -67,11 +67,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
+        scale = None if self.weight is None else self.weight.float()
+        if not torch.is_grad_enabled():  # one fused op for ~6 (12 norms a layer), bit for bit the same on CPUs
+            return F.rms_norm(x.float(), x.shape[-1:], scale, self.eps).type_as(x)
+        h = x.float()  # under autograd the ops whose backward training measured
         h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
-        if self.weight is not None:
-            h = h * self.weight.float()
-        return h.type_as(x)
+        return (h if scale is None else h * scale).type_as(x)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
