@@ -19,6 +19,7 @@ over all of them alike); medians over the rounds:
 
     python benchmarks/anchor.py --llama-bin BIN --gguf Q4_0=F [--gguf ...] --dgemma int4=DIR [--dgemma ...]
         [--threads 1,2] [--rounds 3] [--tokens 32] [--repeats 2] [--max-new-tokens 32]
+        [--modes autoregressive,speculative]
 
 A table goes to stdout, then one JSON line; progress to stderr.
 """
@@ -76,7 +77,7 @@ class Dgemma:
         job = dict(dtype="bfloat16", batch=1, model=directory, device="cpu", prompt_len=args.prompt_len,
                    max_new_tokens=args.max_new_tokens, steps=None, repeats=1, warmup=0, seed=0, sampling="fast",
                    ignore_eos=True, quantize=quantize)
-        self.trials = {mode: generate_trial(Job(mode, **job), self.model)[0] for mode in MODES}
+        self.trials = {mode: generate_trial(Job(mode, **job), self.model)[0] for mode in args.modes}
 
     def warm(self) -> None:
         token_seconds(self.model.module, 1)
@@ -165,14 +166,14 @@ def machine() -> dict:
 
 
 def table(result: dict) -> str:
-    head = (f"{'engine':9} {'weights':8} {'mode':14} {'thr':>3} {'tok/s':>7} {'e2e':>6} {'bound':>7} {'x bound':>7} "
+    head = (f"{'engine':9} {'weights':9} {'mode':14} {'thr':>3} {'tok/s':>7} {'e2e':>6} {'bound':>7} {'x bound':>7} "
             f"{'MB/token':>8}")
     lines = [head, "-" * len(head)]
     for r in sorted(result["results"], key=lambda r: (r["threads"], r["engine"] != "llama.cpp", r["weights"])):
         tps = f"{r['tokens_per_second']:.2f}" if r["tokens_per_second"] else "-"
         e2e = f"{r['end_to_end_tokens_per_second']:.2f}" if r.get("end_to_end_tokens_per_second") else ""
         xb = f"{r['x_bound']:.2f}" if r["x_bound"] else "-"
-        lines.append(f"{r['engine']:9} {r['weights']:8} {r['mode']:14} {r['threads']:>3} {tps:>7} {e2e:>6} "
+        lines.append(f"{r['engine']:9} {r['weights']:9} {r['mode']:14} {r['threads']:>3} {tps:>7} {e2e:>6} "
                      f"{r['bound_tokens_per_second']:>7.2f} {xb:>7} {r['bytes_per_token'] / 1e6:>8.1f}")
     return "\n".join(lines)
 
@@ -188,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="llama-bench runs per round (-r)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens each generate trial decodes")
     p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m], default=list(MODES),
+                   help="dgemma generate modes besides the token loop (default autoregressive,speculative)")
     args = p.parse_args(argv)
     t0, load = time.perf_counter(), os.getloadavg()
     result = run(args)
