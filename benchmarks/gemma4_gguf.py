@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", action="store_true", help="keep the safetensors checkpoint and the bf16 GGUF")
     args = p.parse_args(argv)
+    if args.layers < 2:  # llama.cpp asserts that a gemma4 model has a sliding layer; the last one is full
+        p.error("--layers must be at least 2")
     t0 = time.perf_counter()
     hf = args.out / "hf"
     if hf.exists():
