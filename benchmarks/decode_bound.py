@@ -8,9 +8,9 @@ round after round.
 
 - seconds per token: `head` of the last hidden state, argmax, `encode` of that token (what the autoregressive
   engine does per token), after a short prompt prefill; median over the rounds of the per-round mean;
-- bytes read per token: every 2D weight's bytes as its M = 1 path reads them (int4 kernel: codes + its bf16
-  scale table; decode: codes + scales; `+a8`: the int8 copy), top_k / num_experts of each expert stack, the float
-  parameters; the KV cache of a short context is left out;
+- bytes read per token: every 2D weight's bytes as its M = 1 path reads them (int4 kernel: codes + its bf16 scale
+  table; decode: codes + scales; `+a8`: the int8 copy), but the self-conditioning MLP's (only denoising reads it),
+  top_k / num_experts of each expert stack, the float parameters; the KV cache of a short context is left out;
 - read bandwidth: a sum over a 1 GiB float32 buffer (touched first), best of 3, with the same threads, measured
   again in every round (a shared machine's load moves it by 2-3x);
 - the memory bound = bytes / bandwidth, and each variant's ratio to it: per round (that round's bandwidth), then
@@ -62,8 +62,8 @@ def token_bytes(module: torch.nn.Module) -> int:
     """Weight bytes one token reads (see the module docstring)."""
     t = module.cfg.text
     total = sum(p.numel() * p.element_size() for p in module.parameters())
-    for m in module.modules():
-        if not isinstance(m, QuantizedWeight):
+    for name, m in module.named_modules():
+        if not isinstance(m, QuantizedWeight) or name.startswith("self_conditioning."):  # read only by denoising
             continue
         if len(m.shape) == 3:
             total += m.nbytes * t.top_k_experts // t.num_experts

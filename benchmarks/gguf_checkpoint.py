@@ -1,13 +1,16 @@
-"""Make a checkpoint that llama.cpp's `diffusion-gemma` converter accepts, and optionally convert it to GGUF.
+"""Make a checkpoint that llama.cpp's `diffusion-gemma` (or, from a `Gemma4ForCausalLM` one, `gemma4`) converter
+accepts, and optionally convert it to GGUF.
 
-llama.cpp's converter (`convert_hf_to_gguf.py`, `conversion/diffusion_gemma.py`) needs two things dgemma's own
-checkpoints lack: a Gemma-style tokenizer (BPE with byte fallback, `▁` for spaces, a `<mask>` token: its Gemma 4
-vocabulary path) and `global_head_dim` / `num_global_key_value_heads` in config.json (it does not read the
-`per_layer_config` that transformers 5.23 saves, and that version's config class drops them from `text_config`,
-so they go at the root, which the converter merges). `prepare` adds both to a checkpoint directory; `convert` runs
-llama.cpp's own converter (and `llama-quantize` for k-quant mixes) with this Python.
+llama.cpp's converter (`convert_hf_to_gguf.py`, `conversion/diffusion_gemma.py`, `conversion/gemma.py`) needs two
+things dgemma's own checkpoints lack: a Gemma-style tokenizer (BPE with byte fallback, `▁` for spaces, a `<mask>`
+token: its Gemma 4 vocabulary path) and `global_head_dim` / `num_global_key_value_heads` in config.json (it does not
+read the `per_layer_config` that transformers 5.23 saves, and that version's text config class drops them, so they
+go where the converter merges them but the class does not read them: the root of a nested config, a `text_config`
+of a flat one). `prepare` adds both to a checkpoint directory; `convert` runs llama.cpp's own converter (and
+`llama-quantize` for the other types) with this Python.
 
-    python benchmarks/gguf_checkpoint.py --checkpoint DIR [--llama-src SRC --llama-bin BIN --types q8_0,Q4_K_M]
+    python benchmarks/gguf_checkpoint.py --checkpoint DIR [--llama-src SRC --llama-bin BIN
+        --types q8_0,Q4_K_M,Q4_0-pure]
 
 Last stdout line: JSON {checkpoint, files: {type: path}}.
 """
@@ -62,13 +65,16 @@ def gemma_tokenizer(vocab_size: int, merges_from: str = CORPUS):
 def prepare(directory: Path) -> Path:
     """Add a Gemma-style tokenizer (sized to the model's vocabulary) and the config keys the converter reads."""
     config = json.loads((directory / "config.json").read_text())
-    text = config["text_config"]
+    flat = "layer_types" in config  # Gemma4ForCausalLM; DiffusionGemma nests its text config
+    text = config if flat else config["text_config"]
     full = [int(i) for i, t in enumerate(text["layer_types"]) if t == "full_attention"]
     per_layer = text.get("per_layer_config") or {}
     over = per_layer.get(str(full[-1]), {}) if full else {}
-    # at the root: transformers 5.23's config class drops them from text_config before the converter sees it
-    config["global_head_dim"] = over.get("head_dim", text["head_dim"])
-    config["num_global_key_value_heads"] = over.get("num_key_value_heads", text["num_key_value_heads"])
+    # transformers 5.23's text config class drops these keys where it reads them, before the converter sees them:
+    # nested, they go at the root; flat, into a `text_config` the class keeps as is and the converter merges in
+    target = config.setdefault("text_config", {}) if flat else config
+    target["global_head_dim"] = over.get("head_dim", text["head_dim"])
+    target["num_global_key_value_heads"] = over.get("num_key_value_heads", text["num_key_value_heads"])
     text.setdefault("final_logit_softcapping", 30.0)  # dgemma's default; without the key llama.cpp applies none
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gemma_tokenizer(text["vocab_size"]).save(str(directory / "tokenizer.json"))
@@ -81,8 +87,9 @@ def prepare(directory: Path) -> Path:
 
 
 def convert(directory: Path, llama_src: Path, llama_bin: Path | None, types: list[str], out: Path) -> dict:
-    """GGUF files of `directory` written by llama.cpp's converter (q8_0, bf16, f16, f32) and, for k-quant mixes
-    such as Q4_K_M, by `llama-quantize` from the bf16 file."""
+    """GGUF files of `directory` written by llama.cpp's converter (q8_0, bf16, f16, f32) and by `llama-quantize`
+    from the bf16 file for the other types (Q4_0, Q4_K_M, ...: llama.cpp's mixes, where the tied embedding stays
+    Q6_K; a `-pure` suffix, e.g. Q4_0-pure, makes every tensor the named type)."""
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(llama_src / "gguf-py"))
     files: dict[str, str] = {}
@@ -97,9 +104,10 @@ def convert(directory: Path, llama_src: Path, llama_bin: Path | None, types: lis
     for kind in (t for t in types if t.lower() not in ("q8_0", "bf16", "f16", "f32")):
         if llama_bin is None:
             raise SystemExit(f"{kind} needs llama-quantize: pass --llama-bin")
+        base, pure = kind.removesuffix("-pure"), kind.endswith("-pure")  # -pure: every tensor that type
         path = out / f"model-{kind}.gguf"
-        subprocess.run([str(llama_bin / "llama-quantize"), files["bf16"], str(path), kind], check=True,
-                       stdout=sys.stderr, stderr=sys.stderr)
+        subprocess.run([str(llama_bin / "llama-quantize"), *(["--pure"] if pure else []), files["bf16"], str(path),
+                        base], check=True, stdout=sys.stderr, stderr=sys.stderr)
         files[kind] = str(path)
     return {t: files[t.lower()] if t.lower() in files else files[t] for t in types}
 

@@ -1,15 +1,16 @@
-"""Write a random checkpoint with the real DiffusionGemma 26B-A4B shapes directly in int4 or NVFP4 (compressed-tensors
-pack-quantized / nvfp4-pack-quantized, experts unfused as vLLM expects), never materialising a float weight: random
-packed codes and constant scales (int4: float16 1 / (4 sqrt(fan_in)) per group of 32, weights of root mean square
-4.64 / (4 sqrt(fan_in)); NVFP4: E4M3 block scales of 1 and a global scale giving 1 / (4 sqrt(fan_in))). The tied
-embedding is int4 in both (as `dgemma quantize --to nvfp4` writes it); norms, routers and scalars bf16.
+"""Write a random checkpoint with the real DiffusionGemma 26B-A4B shapes directly in int4, int8 or NVFP4
+(compressed-tensors pack-quantized / nvfp4-pack-quantized, experts unfused as vLLM expects), never materialising a
+float weight: random packed codes and constant scales (int4: float16 1 / (4 sqrt(fan_in)) per group of 32, weights of
+root mean square 4.64 / (4 sqrt(fan_in)); int8: the scale giving the same root mean square; NVFP4: E4M3 block scales
+of 1 and a global scale giving 1 / (4 sqrt(fan_in))). The tied embedding is int4 with NVFP4 (as `dgemma quantize
+--to nvfp4` writes it), otherwise in the file's format; norms, routers and scalars bf16.
 
 Shapes (the released checkpoint's config.json): hidden 2816, 30 layers (5 sliding : 1 full, last full), 16 heads; sliding layers 8 KV heads of
 256, full layers 2 KV heads of 512 (no v_proj); dense MLP 2112 beside 128 experts of 704, top-8; vocabulary 262,144;
 canvas 256. `--layers N` keeps the real widths with fewer layers (for profiling the loader). Then run
 `dgemma bench --model OUT --steps N ...` on it (docs/performance.md, "The real shape").
 
-    python benchmarks/real_shape.py --out DIR [--format int4|nvfp4] [--layers 30] [--group 32]
+    python benchmarks/real_shape.py --out DIR [--format int4|int8|nvfp4] [--layers 30] [--group 32]
 
 Last stdout line: JSON {path, format, parameters, bytes, seconds}.
 """
@@ -88,6 +89,7 @@ def layer_shapes(cfg: ModelConfig, i: int):
 
 POOL_WORDS = 1 << 24  # 64 MB of random int32 words; tensors take slices at random offsets (drawing each is slow)
 E2M1_RMS = 2.93  # root mean square of the 16 E2M1 values, each code equally likely
+INT4_RMS, INT8_RMS = 4.64, 73.9  # the same for the int4 codes -8..7 and the int8 codes -128..127
 
 
 def random_bytes(n: int, g: torch.Generator, pool: torch.Tensor) -> torch.Tensor:
@@ -109,21 +111,25 @@ def tensors_for(prefix: str, shape, quantized: bool, fmt: str, group: int, g: to
         return {f"{prefix}.weight_packed": random_bytes(n * k // 2, g, pool).view(n, k // 2),
                 f"{prefix}.weight_scale": torch.ones(n, k // 16).to(torch.float8_e4m3fn),
                 f"{prefix}.weight_global_scale": torch.tensor([4 * math.sqrt(k) * E2M1_RMS])}
-    packed = random_bytes(n * k // 2, g, pool).view(torch.int32).view(n, k // 8)
-    scale = torch.full((n, k // group), 1 / (4 * math.sqrt(k)), dtype=torch.float16)
+    bits = 8 if fmt == "int8" else 4
+    packed = random_bytes(n * k * bits // 8, g, pool).view(torch.int32).view(n, k * bits // 32)
+    # int8: the scale that gives int4's weights their root mean square (uniform codes: RMS 4.64 vs 73.9)
+    rms = 1 / (4 * math.sqrt(k)) * (INT4_RMS / INT8_RMS if bits == 8 else 1)
+    scale = torch.full((n, k // group), rms, dtype=torch.float16)
     return {f"{prefix}.weight_packed": packed, f"{prefix}.weight_scale": scale,
             f"{prefix}.weight_shape": torch.tensor([n, k])}
 
 
 def quantization_config(fmt: str, group: int) -> dict:
-    int4 = {"format": "pack-quantized", "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+    bits = 8 if fmt == "int8" else 4
+    intq = {"format": "pack-quantized", "weights": {"num_bits": bits, "type": "int", "symmetric": True,
                                                     "strategy": "group", "group_size": group}}
-    if fmt == "int4":
-        groups = {"group_0": {"targets": ["Linear", "Embedding"], **int4}}
+    if fmt in ("int4", "int8"):
+        groups = {"group_0": {"targets": ["Linear", "Embedding"], **intq}}
     else:
         nvfp4 = {"format": "nvfp4-pack-quantized", "weights": {"num_bits": 4, "type": "float", "symmetric": True,
                                                                 "strategy": "tensor_group", "group_size": 16}}
-        groups = {"group_0": {"targets": ["Embedding"], **int4}, "group_1": {"targets": ["Linear"], **nvfp4}}
+        groups = {"group_0": {"targets": ["Embedding"], **intq}, "group_1": {"targets": ["Linear"], **nvfp4}}
     formats = {c["format"] for c in groups.values()}
     return {"quant_method": "compressed-tensors", "quantization_status": "compressed", "config_groups": groups,
             "format": formats.pop() if len(formats) == 1 else "mixed-precision"}
@@ -165,7 +171,7 @@ def write(out: Path, fmt: str, layers: int, group: int, seed: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--format", choices=["int4", "nvfp4"], default="int4", help="weight format (default int4)")
+    p.add_argument("--format", choices=["int4", "int8", "nvfp4"], default="int4", help="weight format (default int4)")
     p.add_argument("--layers", type=int, default=30, help="decoder layers at the real width (default 30, the model's)")
     p.add_argument("--group", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)

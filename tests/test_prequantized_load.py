@@ -87,7 +87,8 @@ def test_experts_that_do_not_stack_are_one_line_errors(int4_model, tmp_path, cas
         dgemma.load(out)
 
 
-@pytest.mark.parametrize("fmt,cls,rms", [("int4", IntWeight, 4.64), ("nvfp4", NVFP4Weight, 1.0)])
+@pytest.mark.parametrize("fmt,cls,rms", [("int4", IntWeight, 4.64), ("int8", IntWeight, 4.64),
+                                         ("nvfp4", NVFP4Weight, 1.0)])
 def test_real_shape_writer_pieces_load(fmt, cls, rms):
     """The real-shape benchmark's writer (too large for a test file) writes pieces the loader reads as `fmt`, at the
     spread its docstring states (root mean square rms / (4 sqrt(fan_in)))."""

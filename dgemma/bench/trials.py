@@ -169,7 +169,11 @@ def checkpoint_params(job: Job):
 def _dgemma_trial(job: Job):
     import dgemma
 
-    model = dgemma.load(job.model, dtype=job.dtype, device=job.device, quantize=job.quantize)
+    return generate_trial(job, dgemma.load(job.model, dtype=job.dtype, device=job.device, quantize=job.quantize))
+
+
+def generate_trial(job: Job, model):
+    """`model.generate` as `job` asks, on a model already loaded (benchmarks/anchor.py shares one between modes)."""
     prompts = _prompts_for(job, model.module.cfg)
     options = job.overrides() | job.decoding()
     warm = {"max_denoising_steps": 1} if job.diffusion else {"max_new_tokens": min(job.max_new_tokens, 4)}
