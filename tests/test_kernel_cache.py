@@ -1,5 +1,5 @@
-"""The kernel-layout cache (dgemma/weights/kernel_cache.py): a second load memory-maps the int4 weights the first one
-repacked, with bit-equal products; a changed checkpoint, a corrupt or truncated file and a read-only directory fall
+"""The kernel-layout cache (dgemma/weights/kernel_cache.py): a second load memory-maps the int4 (or int8, two int4
+halves) weights the first one repacked, with bit-equal products; a changed checkpoint, a corrupt or truncated file and a read-only directory fall
 back to repacking."""
 
 import logging
@@ -16,21 +16,21 @@ from dgemma.weights.hf import load_model
 pytestmark = pytest.mark.skipif(int4cpu.layout() is None, reason="no torch CPU int4 kernel")
 
 
-@pytest.fixture(scope="module")
-def int4_ckpt(float_ckpt, tmp_path_factory):
-    """A tiny compressed-tensors int4 checkpoint (the layout `dgemma quantize` writes)."""
-    model = load_model(float_ckpt, torch.bfloat16, "cpu", parse_quantize("int4"))
-    return compressed.save_compressed(model, float_ckpt, tmp_path_factory.mktemp("ct") / "int4")
+@pytest.fixture(scope="module", params=["int4", "int8"])
+def quantized_ckpt(float_ckpt, tmp_path_factory, request):
+    """A tiny compressed-tensors int4 / int8 checkpoint (the layout `dgemma quantize` writes)."""
+    model = load_model(float_ckpt, torch.bfloat16, "cpu", parse_quantize(request.param))
+    return compressed.save_compressed(model, float_ckpt, tmp_path_factory.mktemp("ct") / request.param)
 
 
 @pytest.fixture
-def ckpt(int4_ckpt, tmp_path, monkeypatch):
-    """A private copy of the int4 checkpoint, with the cache on whatever the model's size."""
+def ckpt(quantized_ckpt, tmp_path, monkeypatch):
+    """A private copy of the quantized checkpoint, with the cache on whatever the model's size."""
     import shutil
 
     monkeypatch.setattr(kernel_cache, "MIN_BYTES", 0)
     monkeypatch.delenv(kernel_cache.ENV, raising=False)
-    return shutil.copytree(int4_ckpt, tmp_path / "ckpt")
+    return shutil.copytree(quantized_ckpt, tmp_path / "ckpt")
 
 
 class Repacks:
@@ -38,13 +38,13 @@ class Repacks:
 
     def __init__(self, monkeypatch):
         self.n = 0
-        original = CPUInt4Weight.from_int.__func__
+        original = int4cpu.converted
 
-        def counted(cls, w):
+        def counted(w):
             self.n += 1
-            return original(cls, w)
+            return original(w)
 
-        monkeypatch.setattr(CPUInt4Weight, "from_int", classmethod(counted))
+        monkeypatch.setattr(int4cpu, "converted", counted)
 
     def load(self, path):
         self.n = 0
@@ -71,6 +71,7 @@ def test_second_load_maps_the_cache_and_multiplies_bit_equal(ckpt, monkeypatch):
     gen = torch.Generator().manual_seed(0)
     for name, w in a.items():
         c = b[name]
+        assert type(c) is type(w) and c.format == w.format
         assert torch.equal(w.packed, c.packed) and torch.equal(w.scales, c.scales)
         assert len(w.shape) == 2 or c.scales.transpose(-1, -2).is_contiguous()  # stacks keep them transposed
         dense = c.dequantize().float()
@@ -198,9 +199,10 @@ def test_hub_snapshots_keep_their_folder_clean(tmp_path, monkeypatch):
     assert kernel_cache._location(tmp_path) == tmp_path / kernel_cache.DIRNAME
 
 
-def test_gguf_files_are_cached_beside_them(tmp_path, monkeypatch):
-    """A Q4_0 GGUF file (llama.cpp's format; int4 weights bit for bit): the second load repacks nothing and its
-    weights are the same; touching the file invalidates the cache."""
+@pytest.mark.parametrize("quant, form", [("Q4_0", "int4"), ("Q8_0", "int8")])
+def test_gguf_files_are_cached_beside_them(tmp_path, monkeypatch, quant, form):
+    """A Q4_0 / Q8_0 GGUF file (llama.cpp's formats; int4 / int8 weights bit for bit): the second load repacks nothing
+    and its weights are the same; touching the file invalidates the cache."""
     import importlib.util
     import os
     from pathlib import Path
@@ -219,7 +221,7 @@ def test_gguf_files_are_cached_beside_them(tmp_path, monkeypatch):
     monkeypatch.delenv(kernel_cache.ENV, raising=False)
     src = tmp_path / "ckpt"
     script("build_bench_checkpoint").build(src, hidden=64, layers=2, vocab=512, canvas=16, experts=4)
-    path = write_gguf(script("gguf_checkpoint").prepare(src), tmp_path / "m.gguf", Q.Q4_0)
+    path = write_gguf(script("gguf_checkpoint").prepare(src), tmp_path / "m.gguf", getattr(Q, quant))
     repacks = Repacks(monkeypatch)
     first = _weights(repacks.load(path))
     assert repacks.n == len(first) > 0
@@ -228,6 +230,7 @@ def test_gguf_files_are_cached_beside_them(tmp_path, monkeypatch):
     assert repacks.n == 0
     assert all(torch.equal(w.packed, second[k].packed) and torch.equal(w.scales, second[k].scales)
                for k, w in first.items())
+    assert form in {w.format for w in first.values()}
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
     repacks.load(path)
     assert repacks.n == len(first)

@@ -1,20 +1,23 @@
 """Kernel choice by shape for 2D quantized weights (dgemma/quant/kernels.py, quant/int4cpu.py): torch's int4 layout
-probed against torch's own packer, every path against the dequantized weight for M = 1, small and large, the
-choice made once per weight, and a model's logits through the dispatch."""
+probed against torch's own packer, every path (int4, and int8 as two int4 halves) against the dequantized weight
+for M = 1, small and large, the choice made once per weight, and a model's logits through the dispatch."""
 
 import pytest
 import torch
 
 import dgemma
 from dgemma.quant import IntWeight, int4cpu, kernels, quantize_tensor
-from dgemma.quant.int4cpu import CPUInt4Weight
+from dgemma.quant.int4cpu import CPUInt4Weight, CPUInt8SplitWeight
 
 pytestmark = pytest.mark.skipif(int4cpu.layout() is None, reason="no torch CPU int4 kernel")
 BF16_STEP = 2.0**-8  # bfloat16's relative rounding step: the kernel rounds activations, scales and outputs
 
 
-def _int4(n, k=128, seed=0):
-    return quantize_tensor(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)), 4)
+def _int4(n, k=128, seed=0, bits=4):
+    w = quantize_tensor(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)), bits)
+    if bits == 8:  # the extreme codes (GGUF Q8_0 holds -128)
+        w.qweight[0, :3] = torch.tensor([-128, 127, -127], dtype=torch.int8)
+    return w
 
 
 @pytest.mark.parametrize("n", [16, 96, 208, 128])  # tails of 16 / 32 / 16 rows after whole blocks, none
@@ -23,22 +26,26 @@ def test_layout_probe_predicts_torch_packing(n):
     assert torch.equal(int4cpu._order(n, 64), int4cpu._predicted(n, 64, lay))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n", [96, 208])
-def test_2d_decode_from_torch_layout_is_exact(n):
-    w = _int4(n)
-    c = CPUInt4Weight.from_int(w)
+def test_2d_decode_from_torch_layout_is_exact(n, bits):
+    w = _int4(n, bits=bits)
+    c = int4cpu.converted(w)
+    assert isinstance(c, CPUInt8SplitWeight if bits == 8 else CPUInt4Weight)
     assert c.nbytes == w.nbytes + c.scale_zero.nbytes  # codes permuted; plus the kernel's bf16 scale table
     for sel in (slice(None), slice(0, 64), slice(64, n), slice(3, 40), torch.tensor([n - 1, 0, 70, 70])):
         assert torch.equal(c.dequantize(sel), w.dequantize(sel)), sel
     assert torch.equal(c.embedding(torch.tensor([[5, n - 2]])), w.embedding(torch.tensor([[5, n - 2]])))
-    assert torch.equal(c.to_int().qweight, w.qweight)
+    back = c.to_int()
+    assert back.bits == bits and torch.equal(back.qweight, w.qweight) and torch.equal(back.scales, w.scales)
 
 
-@pytest.mark.parametrize("m", [1, 7, 300])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 7, 16, 300])
 @pytest.mark.parametrize("path", [kernels.KERNEL, kernels.DECODE])
-def test_each_path_follows_the_dequantized_weight(m, path):
-    w = _int4(208)
-    c = CPUInt4Weight.from_int(w)
+def test_each_path_follows_the_dequantized_weight(m, path, bits):
+    w = _int4(208, bits=bits)
+    c = int4cpu.converted(w)
     c._choice = kernels.Choice(path, kernels.ALL_ROWS, path, c.kernel_name)
     x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m))
     ref = x.double() @ w.dequantize().double().T
@@ -68,19 +75,21 @@ def test_choice_is_made_once_and_follows_the_rows(monkeypatch):
     assert calls == [1, 4] and x.grad is not None
 
 
-def test_choice_by_device_and_dtype(monkeypatch):
-    c = CPUInt4Weight.from_int(_int4(96))
+@pytest.mark.parametrize("bits", [4, 8])
+def test_choice_by_device_and_dtype(monkeypatch, bits):
+    c = int4cpu.converted(_int4(96, bits=bits))
     monkeypatch.setattr(kernels, "native_bf16", lambda device: False)
-    assert kernels.choose(c).rows == kernels.KERNEL_ROWS[("int4", "cpu", False, torch.float32)]
-    assert kernels.choose(IntWeight(c.to_int().qweight, c.scales, 4, torch.float32)).path(1) == kernels.DECODE
+    assert kernels.choose(c).rows == kernels.KERNEL_ROWS[(f"int{bits}", "cpu", False, torch.float32)]
+    assert kernels.choose(IntWeight(c.to_int().qweight, c.scales, bits, torch.float32)).path(1) == kernels.DECODE
 
 
-def test_int4_model_logits_unchanged_by_the_dispatch():
-    """The bundled model in int4, its 2D weights through the kernel choice against the same weights decoded for
-    every call (what ran before): encoder tokens one at a time (M = 1, autoregressive decoding and its head) and a
-    denoising pass; the difference is the kernel's bf16 rounding, far below int4's own error."""
-    after = dgemma.load(None, dtype="float32", quantize="int4").module
-    before = dgemma.load(None, dtype="float32", quantize="int4").module
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_model_logits_unchanged_by_the_dispatch(scheme):
+    """The bundled model in int4 / int8, its 2D weights through the kernel choice against the same weights decoded
+    for every call (what ran before): encoder tokens one at a time (M = 1, autoregressive decoding and its head) and
+    a denoising pass; the difference is the kernel's bf16 rounding, far below int4's own error."""
+    after = dgemma.load(None, dtype="float32", quantize=scheme).module
+    before = dgemma.load(None, dtype="float32", quantize=scheme).module
     for name, w in list(before.named_modules()):
         if isinstance(w, CPUInt4Weight) and len(w.shape) == 2:
             owner, leaf = name.rsplit(".", 1) if "." in name else ("", name)
@@ -94,7 +103,7 @@ def test_int4_model_logits_unchanged_by_the_dispatch():
             canvas = torch.randint(0, 4096, (1, mod.cfg.canvas_length), generator=torch.Generator().manual_seed(1))
             logits[key] = torch.cat([*rows, mod.head(mod.denoise(canvas, cache))], dim=1)
     diff = (logits["after"] - logits["before"]).abs()
-    assert 0 < diff.max() < 0.02 * logits["before"].abs().max()  # measured 0.0055
+    assert 0 < diff.max() < 0.02 * logits["before"].abs().max()  # measured 0.0055 (int4), 0.0053 (int8)
     assert (logits["after"].argmax(-1) == logits["before"].argmax(-1)).float().mean() > 0.95
 
 
@@ -102,3 +111,6 @@ def test_info_names_the_kernels():
     info = dgemma.load(None, quantize="int4").describe()
     assert "int4 2D: M<=" in info["kernels"] or "int4 2D: torch int4 kernel" in info["kernels"]
     assert "int4 experts: torch int4 kernel (bf16) per expert" in info["kernels"]
+    info = dgemma.load(None, quantize="int8").describe()["kernels"]
+    assert "int8 2D: M<=" in info and "torch int4 kernel on int8 halves (bf16)" in info
+    assert "int8 experts: decode + grouped GEMM" in info

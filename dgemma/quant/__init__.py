@@ -12,8 +12,8 @@ API (what other packages use):
 - `FP8Weight`, `NVFP4Weight` (quant/fp.py): the formats pre-quantized checkpoints bring (decoded on the fly).
 - `QuantSpec` / `parse_quantize` (quant/spec.py): the `--quantize` vocabulary.
 - `a8` (quant/a8.py): `+a8`, int8 activations for 2D quantized weights on x86 CPUs (`a8.enable(module, ...)`).
-- `int4cpu` (quant/int4cpu.py): int4 weights in torch's CPU int4 layout, converted at load on CPUs (once: later
-  loads memory-map them from weights/kernel_cache.py): 2D weights with
+- `int4cpu` (quant/int4cpu.py): int4 weights (and 2D int8 ones, as two int4 halves) in torch's CPU int4 layout,
+  converted at load on CPUs (once: later loads memory-map them from weights/kernel_cache.py): 2D weights with
   `kernel_mm` (the weight-only kernel `linear` runs for few rows), expert stacks with their own grouped kernel
   (`expert_matmul(x, ends)`, which model/moe.py prefers when a format has it).
 - `kernels` (quant/kernels.py): which path `linear` takes for a call's number of rows, chosen once per weight

@@ -1,4 +1,5 @@
-"""int4 weights on CPUs in torch's own int4 layout, multiplied by `torch._weight_int4pack_mm_for_cpu`.
+"""int4 weights, and 2D int8 weights as two int4 halves, on CPUs in torch's own int4 layout, multiplied by
+`torch._weight_int4pack_mm_for_cpu`.
 
 torch's int4 kernel unpacks the codes in registers and reads each weight byte once per call, where decoding to
 float and running a float GEMM (quant/base.py) reads the codes, writes 4-8x their bytes of float and reads them
@@ -16,7 +17,9 @@ operations (a byte transpose, then the two nibbles), as fast as the group-local 
 `convert(module)` replaces every int4 `IntWeight` whose shape the kernel takes, on CPUs that have it: 2D weights
 (projections, the tied embedding) get `kernel_mm`, which `linear` runs for calls of few rows (quant/kernels.py),
 and keep the kernel's bfloat16 scale-and-zero table (4 bytes per group); expert stacks
-[E, N, K] get a grouped `expert_matmul` (model/moe.py prefers it).
+[E, N, K] get a grouped `expert_matmul` (model/moe.py prefers it). 2D int8 weights become `CPUInt8SplitWeight`:
+each code split in a high and a low 4-bit half, one kernel call over both (exact; 2x the int4 kernel's work, still
+4-13x faster than decode + GEMM at M = 1-4); int8 expert stacks keep decode + GEMM.
 """
 
 from __future__ import annotations
@@ -90,9 +93,10 @@ def _predicted(n: int, k: int, lay: Int4Packing) -> Tensor:
 
 
 def fits(w: QuantizedWeight) -> bool:
-    """An int4 `IntWeight` whose shape the kernel and the probed layout take."""
-    return (isinstance(w, IntWeight) and w.bits == 4 and len(w.shape) in (2, 3) and w.group_size in GROUPS
-            and w.shape[-2] % 16 == 0 and layout() is not None)
+    """An `IntWeight` whose shape the kernel and the probed layout take: int4 (2D or an expert stack) or 2D int8."""
+    dims = (2, 3) if getattr(w, "bits", 0) == 4 else (2,)
+    return (isinstance(w, IntWeight) and len(w.shape) in dims and w.group_size in GROUPS and w.shape[-2] % 16 == 0
+            and layout() is not None)
 
 
 class CPUInt4Weight(QuantizedWeight):
@@ -109,7 +113,7 @@ class CPUInt4Weight(QuantizedWeight):
         self.register_buffer("packed", packed)
         if len(shape) == 2:  # the kernel's bf16 [K // g, N, 2] scales and zeros, built once (or given: a cache's)
             self.register_buffer("scales", scales)
-            table = scale_tables([scales.T])[0] if scale_zero is None else scale_zero
+            table = self._table(scales) if scale_zero is None else scale_zero
             self.register_buffer("scale_zero", table, persistent=False)
         else:  # stored [E, K // g, N] (a transposed view): a call's tables are built from contiguous rows
             self.register_buffer("scales", scales.transpose(-1, -2).contiguous().transpose(-1, -2))
@@ -119,16 +123,23 @@ class CPUInt4Weight(QuantizedWeight):
         n, k = w.shape[-2:]
         slabs = w.qweight.view(-1, n, k // 2)
         packed = torch.empty(slabs.shape, dtype=torch.uint8)
-        step = max(64, (1 << 22) // k // 64 * 64)  # rows packed at a time (int32 codes: 16 MB), whole blocks
-        for i in range(slabs.shape[0]):
-            for lo in range(0, n, step):
-                codes = unpack_int4(slabs[i, lo:lo + step], w.group_size).int() + 8  # unsigned, zero at 8
-                packed[i, lo:lo + step] = torch._convert_weight_to_int4pack_for_cpu(codes, 2).view(-1, k // 2)
+        for i in range(slabs.shape[0]):  # unsigned codes, zero at 8
+            _pack_into(packed[i], lambda lo, hi: unpack_int4(slabs[i, lo:hi], w.group_size).int() + 8)
         return cls(packed.view(*w.shape[:-1], k // 2), w.scales, tuple(w.shape), w.dtype)
+
+    @staticmethod
+    def _table(scales: Tensor) -> Tensor:
+        """The kernel's bf16 scale-and-zero table [K // g, N, 2] of a 2D weight's group scales [N, K // g]."""
+        return scale_tables([scales.T])[0]
 
     @property
     def group_size(self) -> int:
         return self.shape[-1] // self.scales.shape[-1]
+
+    @property
+    def width(self) -> int:
+        """Columns of the int4 matrix `packed` holds (K; a split int8 weight's 2K)."""
+        return self.packed.shape[-1] * 2
 
     def chunk_rows(self) -> int:
         """The base chunk rounded up to whole blocks of rows (the fast decode)."""
@@ -139,7 +150,7 @@ class CPUInt4Weight(QuantizedWeight):
     # ---- decoding ------------------------------------------------------------------------------------------------
     def _codes(self, sel, out: Tensor) -> Tensor:
         """The signed codes of rows (2D) or experts (3D) `sel` written into `out` [m, N, K] or [m, K]."""
-        k = self.shape[-1]
+        k = self.width
         if len(self.shape) == 3:
             slabs = self.packed[sel]
             for e in range(slabs.shape[0]):
@@ -156,12 +167,15 @@ class CPUInt4Weight(QuantizedWeight):
 
     def _block_codes(self, flat: Tensor, n: int) -> Tensor:
         """int8 codes [n, K] of n rows stored as whole blocks (the last one possibly short) in bytes `flat`."""
-        k = self.shape[-1]
-        return _unpacked_codes(flat.view(-1, k // 2), n, k, self.layout)
+        out = torch.empty(n, self.shape[-1], dtype=torch.uint8)
+        for p, low, high in _row_pairs(flat.view(n, -1), out, self.layout):
+            torch.bitwise_and(p, 15, out=low)
+            torch.bitwise_right_shift(p, 4, out=high)
+        return out.view(torch.int8).sub_(8)
 
     def _row_codes(self, ids: Tensor) -> Tensor:
         """int8 codes [len(ids), K] of single rows (an embedding lookup): a strided byte gather per row."""
-        n, k = self.shape
+        n, k = self.shape[0], self.width
         lay = self.layout
         main = n - n % lay.block
         raw = torch.empty(ids.numel(), k, dtype=torch.uint8)
@@ -184,7 +198,8 @@ class CPUInt4Weight(QuantizedWeight):
     def to_int(self) -> IntWeight:
         """The `IntWeight` this weight came from (its layout, the same codes and scales)."""
         codes = self._codes(slice(None), torch.empty(self.shape, dtype=torch.int8))
-        return IntWeight(pack_int4(codes, self.group_size), self.scales.contiguous(), 4, self.dtype)
+        qweight = codes if self.bits == 8 else pack_int4(codes, self.group_size)
+        return IntWeight(qweight, self.scales.contiguous(), self.bits, self.dtype)
 
     def rebuild(self, buffers: dict[str, Tensor]) -> CPUInt4Weight:
         """Over other experts (the leading dimension); rows of a block cannot be sliced."""
@@ -211,6 +226,58 @@ class CPUInt4Weight(QuantizedWeight):
         return torch.cat(parts).to(x.dtype)
 
 
+class CPUInt8SplitWeight(CPUInt4Weight):
+    """A 2D int8 weight [N, K] run exactly through torch's int4 kernel: a code q = 16 h + l (h in -8..7, l in 0..15)
+    is two int4 codes, the weight is the int4 weight [W_h | W_l] of [N, 2K] (`packed` [N, K] bytes, torch's layout)
+    with group scales 16 s for h and s, zero 8 s, for l ((l - 8) s + 8 s = l s), and x goes in as [x | x]: one call
+    reads the int8 bytes at the int4 kernel's speed, with the int4 kernel's bf16 rounding. `scales`: the int8
+    weight's [N, K // g]."""
+
+    format, bits = "int8", 8
+    kernel_name = "torch int4 kernel on int8 halves (bf16)"
+
+    @classmethod
+    def from_int(cls, w: IntWeight) -> CPUInt8SplitWeight:
+        n, k = w.shape
+        packed = torch.empty(n, k, dtype=torch.uint8)
+        _pack_into(packed, lambda lo, hi: torch.cat([(w.qweight[lo:hi] >> 4) + 8, w.qweight[lo:hi] & 15], 1).int())
+        return cls(packed, w.scales, tuple(w.shape), w.dtype)
+
+    @staticmethod
+    def _table(scales: Tensor) -> Tensor:
+        g, s = scales.shape[1], scales.T.float()
+        table = torch.zeros(2 * g, scales.shape[0], 2, dtype=torch.bfloat16)
+        table[:g, :, 0], table[g:, :, 0], table[g:, :, 1] = 16 * s, s, 8 * s
+        return table
+
+    def _block_codes(self, flat: Tensor, n: int) -> Tensor:
+        """Each byte pair (h + 8, l) of the two halves joined in bytes: (h + 8) * 16 + l = q + 128."""
+        k = self.shape[-1]
+        out = torch.empty(n, k, dtype=torch.uint8)
+        for p, low, high in _row_pairs(flat.view(n, -1), out, self.layout):
+            h, lo = p[..., :k], p[..., k:]
+            torch.bitwise_or(h << 4, lo & 15, out=low)
+            torch.bitwise_or(h & 0xF0, lo >> 4, out=high)
+        return out.bitwise_xor_(128).view(torch.int8)
+
+    def _row_codes(self, ids: Tensor) -> Tensor:
+        halves = super()._row_codes(ids)  # [h - 8 | l - 8]
+        k = self.shape[-1]
+        return torch.add(halves[:, k:] + 8, halves[:, :k], alpha=16)
+
+    def kernel_mm(self, x: Tensor) -> Tensor:
+        return super().kernel_mm(torch.cat([x, x], dim=-1))
+
+
+def _pack_into(out: Tensor, codes) -> None:
+    """Fill `out` [n, C // 2] with torch's int4 layout of the unsigned codes [n, C] (int32, 0..15) that `codes(lo, hi)`
+    gives for rows lo..hi, packed whole blocks of rows at a time (int32 codes: 16 MB)."""
+    n, half = out.shape
+    step = max(64, (1 << 21) // half // 64 * 64)
+    for lo in range(0, n, step):
+        out[lo:lo + step] = torch._convert_weight_to_int4pack_for_cpu(codes(lo, lo + step), 2).view(-1, half)
+
+
 def scale_tables(scales_t: list[Tensor], reuse: bool = False) -> Tensor:
     """Group scales [K // g, N] of m weights -> the kernel's bf16 scale-and-zero tables [m, K // g, N, 2] (zeros 0),
     in per-thread buffers when `reuse` (valid until the next call: fresh MBs a call cost page faults). Each (scale,
@@ -225,27 +292,31 @@ def scale_tables(scales_t: list[Tensor], reuse: bool = False) -> Tensor:
     return bits.view(torch.bfloat16).view(*shape, 2)
 
 
-def _unpacked_codes(packed: Tensor, n: int, k: int, lay: Int4Packing) -> Tensor:
-    """Packed rows [n, K // 2] (whole blocks, torch's layout) -> int8 codes [n, K]."""
-    out = torch.empty(n, k, dtype=torch.uint8)
+def _row_pairs(packed: Tensor, out: Tensor, lay: Int4Packing):
+    """Rows [n, B] packed in torch's layout (whole blocks, the last one possibly short) and their output rows `out`
+    [n, C]: for the full blocks and the short one, the bytes transposed to rows [blocks, w/2, 2B] and the views of
+    `out` [blocks, w/2, C] that each byte's low and high nibble rows go to."""
+    n, nibbles, c = packed.shape[0], packed.shape[1] * 2, out.shape[1]
     main = n - n % lay.block
     for rows, width, split in ((slice(0, main), lay.block, lay.split), (slice(main, n), n - main, False)):
         if rows.stop > rows.start:
-            p = packed[rows].reshape(-1, k, width // 2).transpose(1, 2).contiguous()  # [nb, w/2, K]: byte rows
-            o = out[rows].view(-1, 2, width // 2, k) if split else out[rows].view(-1, width // 2, 2, k)
-            lo, hi = (o[:, 0], o[:, 1]) if split else (o[:, :, 0], o[:, :, 1])
-            torch.bitwise_and(p, 15, out=lo)
-            torch.bitwise_right_shift(p, 4, out=hi)
-    return out.view(torch.int8).sub_(8)
+            p = packed[rows].reshape(-1, nibbles, width // 2).transpose(1, 2).contiguous()
+            o = out[rows].view(-1, 2, width // 2, c) if split else out[rows].view(-1, width // 2, 2, c)
+            yield (p, o[:, 0], o[:, 1]) if split else (p, o[:, :, 0], o[:, :, 1])
+
+
+def converted(w: IntWeight) -> CPUInt4Weight:
+    """The weight in torch's int4 layout (`w` must fit)."""
+    return (CPUInt4Weight if w.bits == 4 else CPUInt8SplitWeight).from_int(w)
 
 
 def convert(module: torch.nn.Module) -> int:
-    """Replace every int4 `IntWeight` of `module` that `fits` with its `CPUInt4Weight`, one at a time (only names are
+    """Replace every `IntWeight` of `module` that `fits` with its `converted` weight, one at a time (only names are
     listed first: each old weight is freed as soon as it is replaced, so converting never holds a second copy of
     the model's experts); returns how many were converted."""
     targets = [(owner, name) for owner, parent in module.named_modules() for name, w in parent.named_children()
                if fits(w)]
     for owner, name in targets:
         parent = module.get_submodule(owner)
-        setattr(parent, name, CPUInt4Weight.from_int(getattr(parent, name)))
+        setattr(parent, name, converted(getattr(parent, name)))
     return len(targets)

@@ -1,7 +1,7 @@
 """Which matmul a quantized 2D weight runs for a call of M rows, chosen once per weight (quant/base.py `choice`).
 
 Two paths: a weight-only kernel that reads the packed codes once (`kernel_mm` of a format that has one on this
-device: torch's int4 CPU kernel, quant/int4cpu.py) and decode + GEMM (quant/base.py: float rows decoded a chunk at
+device: torch's int4 CPU kernel, quant/int4cpu.py, for int4 weights and for int8 ones split in two int4 halves) and decode + GEMM (quant/base.py: float rows decoded a chunk at
 a time, then the float GEMM). A weight with `+a8`'s int8 copy (quant/a8.py) runs that instead, for every M (the
 user asked for it; on an AVX-512 VNNI CPU it also measured fastest at every M). A call's shape class
 is its number of rows: up to `rows` the `small` path (matrix-vector and small-M calls: autoregressive decoding, its
@@ -21,9 +21,12 @@ KERNEL, DECODE = "kernel", "decode"
 ALL_ROWS = 1 << 62
 # Largest M for a format's weight-only kernel, by (format, device, native bf16, compute dtype). int4 on CPUs:
 # crossovers against decode + GEMM; on a native-bf16 CPU the kernel (bf16 dot products) beat decode + sgemm at
-# every M measured (up to 512) when the model computes in float32.
+# every M measured (up to 512) when the model computes in float32. int8 (two int4 halves: the kernel's work doubles)
+# against decode + GEMM from the same layout.
 KERNEL_ROWS = {("int4", "cpu", True, torch.float32): ALL_ROWS, ("int4", "cpu", True, torch.bfloat16): 64,
-               ("int4", "cpu", False, torch.float32): 64}
+               ("int4", "cpu", False, torch.float32): 64,
+               ("int8", "cpu", True, torch.float32): 32, ("int8", "cpu", True, torch.bfloat16): 32,
+               ("int8", "cpu", False, torch.float32): 16}
 
 
 def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -1,16 +1,18 @@
-"""The kernel-layout cache: a checkpoint's int4 weights in torch's CPU int4 layout (quant/int4cpu.py), written once
-after a load that repacked them and memory-mapped by every later load, so a load costs what reading the file costs.
+"""The kernel-layout cache: a checkpoint's int4 and 2D int8 weights in torch's CPU int4 layout (quant/int4cpu.py),
+written once after a load that repacked them and memory-mapped by every later load, so a load costs what reading
+the file costs.
 
 One safetensors file per checkpoint and environment, `.dgemma-cache/int4cpu-<env>.safetensors` in the checkpoint
 directory (`.dgemma-cache/FILE.gguf.int4cpu-<env>.safetensors` beside a GGUF file; when that is not writable or is a
 Hugging Face cache snapshot, under `$XDG_CACHE_HOME/dgemma/kernels/<hash>/`; `DGEMMA_KERNEL_CACHE=off`
-disables it, `=DIR` puts it under DIR). Per converted weight P: `P.packed` (uint8, torch's layout), `P.scales`
+disables it, `=DIR` puts it under DIR). Per converted weight P: `P.packed` (uint8, torch's layout; a 2D int8 weight's
+two int4 halves [N, K] where an int4 weight's are [N, K / 2]), `P.scales`
 (float16; an expert stack's transposed [E, K/g, N], the order it keeps them in) and, for 2D weights, `P.scale_zero`
 (the kernel's bf16 table). The file's metadata holds the key it was written for: the format version, torch's
 version, the CPU capability and probed layout, the dtype and quantization spec, and each checkpoint file's name,
 size, mtime and header hash. Anything different, a file of the wrong size, a malformed header or a sampled checksum
 that fails, and the cache is ignored (a warning): the load repacks and writes it again. Writes go to a temporary
-file that is renamed into place (concurrent loads never see half a file). Small models (under `MIN_BYTES` of int4
+file that is renamed into place (concurrent loads never see half a file). Small models (under `MIN_BYTES` of converted
 weights, whose repacking takes well under a second) write nothing.
 """
 
@@ -33,7 +35,7 @@ except ImportError:  # Windows: no lock, the rename still keeps readers safe
     fcntl = None
 
 from dgemma.quant import int4cpu
-from dgemma.quant.int4cpu import CPUInt4Weight
+from dgemma.quant.int4cpu import CPUInt4Weight, CPUInt8SplitWeight
 from dgemma.weights.files import readable
 
 log = logging.getLogger(__name__)
@@ -41,7 +43,7 @@ log = logging.getLogger(__name__)
 VERSION = 1
 ENV = "DGEMMA_KERNEL_CACHE"
 DIRNAME = ".dgemma-cache"
-MIN_BYTES = 256 << 20  # int4 weights below this repack in well under a second
+MIN_BYTES = 256 << 20  # converted weights below this repack in well under a second
 SAMPLE = 4096  # bytes at each end of every tensor that the checksum covers
 _DTYPES = {torch.uint8: "U8", torch.float16: "F16", torch.bfloat16: "BF16"}
 _TORCH = {v: k for k, v in _DTYPES.items()}
@@ -68,14 +70,14 @@ class KernelCache:
             return {}
         try:
             weights = read(self.path, self.key, self.dtype)
-            log.info("memory-mapped %d int4 weights from the kernel cache %s", len(weights), self.path)
+            log.info("memory-mapped %d converted weights from the kernel cache %s", len(weights), self.path)
             return weights
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
             log.warning("ignoring the kernel cache %s (%s): repacking", self.path, e)
             return {}
 
     def store(self, module: torch.nn.Module) -> bool:
-        """Write `module`'s converted int4 weights (when they are worth it and the disk has room); False if not."""
+        """Write `module`'s converted weights (when they are worth it and the disk has room); False if not."""
         weights = {n: m for n, m in module.named_modules() if isinstance(m, CPUInt4Weight)}
         tensors = {f"{n}.{k}": t for n, w in weights.items() for k, t in _tensors(w).items()}
         size = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -216,15 +218,17 @@ def _weight(tensors: dict, param: str, shape: list[int], dtype: torch.dtype) -> 
     """One weight from its cached tensors, after checking their shapes against its logical shape."""
     packed, scales = tensors[f"{param}.packed"], tensors[f"{param}.scales"]
     *lead, n, k = shape
+    halves = 2 if len(shape) == 2 and packed.shape[-1] == k else 1  # an int8 weight in two int4 halves
     groups = scales.shape[-1] if len(shape) == 2 else scales.shape[-2]
-    if (packed.dtype != torch.uint8 or list(packed.shape) != [*lead, n, k // 2] or scales.dtype != torch.float16
-            or groups <= 0 or k % groups or k // groups not in int4cpu.GROUPS):
+    if (packed.dtype != torch.uint8 or list(packed.shape) != [*lead, n, halves * k // 2]
+            or scales.dtype != torch.float16 or groups <= 0 or k % groups or k // groups not in int4cpu.GROUPS):
         raise CacheError(f"{param}: cached tensors do not fit shape {shape}")
     if len(shape) == 2:
         table = tensors[f"{param}.scale_zero"]
-        if list(scales.shape) != [n, groups] or list(table.shape) != [groups, n, 2]:
+        if list(scales.shape) != [n, groups] or list(table.shape) != [halves * groups, n, 2]:
             raise CacheError(f"{param}: cached scales do not fit shape {shape}")
-        return CPUInt4Weight(packed, scales, tuple(shape), dtype, scale_zero=table)
+        cls = CPUInt8SplitWeight if halves == 2 else CPUInt4Weight
+        return cls(packed, scales, tuple(shape), dtype, scale_zero=table)
     if list(scales.shape) != [*lead, groups, n]:
         raise CacheError(f"{param}: cached scales do not fit shape {shape}")
     return CPUInt4Weight(packed, scales.transpose(-1, -2), tuple(shape), dtype)
