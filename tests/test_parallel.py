@@ -18,6 +18,7 @@ from dgemma.config import FULL, SLIDING, ModelConfig, TextConfig
 from dgemma.errors import ConfigError, SamplingParamsError
 from dgemma.model import DiffusionGemma
 from dgemma.parallel.shard import check
+from dgemma.quant import kernels
 from dgemma.sampling.fused import num_uniforms, vocab_step
 from dgemma.weights import save_model
 
@@ -65,6 +66,7 @@ def _rank(rank: int, port: int, tiny: str, out: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    kernels.KERNEL_ROWS.clear()  # decode + GEMM for every call: sharded codes must give one process's logits exactly
     results = {}
     with torch.no_grad():
         for quantize in (None, "int8", "nvfp4"):
