@@ -3,8 +3,8 @@
 Variants (`--variants`, default before,after): "before": every 2D int4 or int8 weight back in the group-local
 layout (`IntWeight`: decoded to float + GEMM for every call, what dgemma ran before quant/kernels.py); "after": as
 `dgemma.load` leaves it (`CPUInt4Weight`, `CPUInt8SplitWeight`: torch's int4 kernel for few rows); "a8": loaded
-with `+a8` (`--quantize a8` on a pre-quantized file: int8 activations on the 2D weights). All are in memory at once and run interleaved,
-round after round.
+with `+a8` (`--quantize a8` on a pre-quantized file: int8 activations on the 2D weights). All are in memory at once
+and run interleaved, round after round.
 
 - seconds per token: `head` of the last hidden state, argmax, `encode` of that token (what the autoregressive
   engine does per token), after a short prompt prefill; median over the rounds of the per-round mean;

@@ -1,6 +1,6 @@
 """The kernel-layout cache (dgemma/weights/kernel_cache.py): a second load memory-maps the int4 (or int8, two int4
-halves) weights the first one repacked, with bit-equal products; a changed checkpoint, a corrupt or truncated file and a read-only directory fall
-back to repacking."""
+halves) weights the first one repacked, with bit-equal products; a changed checkpoint, a corrupt or truncated file
+and a read-only directory fall back to repacking."""
 
 import logging
 

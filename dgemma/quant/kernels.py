@@ -1,12 +1,13 @@
 """Which matmul a quantized 2D weight runs for a call of M rows, chosen once per weight (quant/base.py `choice`).
 
 Two paths: a weight-only kernel that reads the packed codes once (`kernel_mm` of a format that has one on this
-device: torch's int4 CPU kernel, quant/int4cpu.py, for int4 weights and for int8 ones split in two int4 halves) and decode + GEMM (quant/base.py: float rows decoded a chunk at
-a time, then the float GEMM). A weight with `+a8`'s int8 copy (quant/a8.py) runs that instead, for every M (the
-user asked for it; on an AVX-512 VNNI CPU it also measured fastest at every M). A call's shape class
-is its number of rows: up to `rows` the `small` path (matrix-vector and small-M calls: autoregressive decoding, its
-tied head, short appends), above it the `large` one, where the GEMM's reuse of each decoded weight can pay for the
-decode. The limits are measured crossovers (`benchmarks/kernel_choice.py`, docs/kernels.md).
+device: torch's int4 CPU kernel, quant/int4cpu.py, for int4 weights and for int8 ones split in two int4 halves)
+and decode + GEMM (quant/base.py: float rows decoded a chunk at a time, then the float GEMM). A weight with
+`+a8`'s int8 copy (quant/a8.py) runs that instead, for every M (the user asked for it; on an AVX-512 VNNI CPU it
+also measured fastest at every M). A call's shape class is its number of rows: up to `rows` the `small` path
+(matrix-vector and small-M calls: autoregressive decoding, its tied head, short appends), above it the `large` one,
+where the GEMM's reuse of each decoded weight can pay for the decode. The limits are measured crossovers
+(`benchmarks/kernel_choice.py`, docs/kernels.md).
 """
 
 from __future__ import annotations
