@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(int4cpu.layout() is None, reason="no torch CPU i
 BF16_STEP = 2.0**-8  # bfloat16's relative rounding step: the kernel rounds activations, scales and outputs
 
 
-def _int4(n, k=128, seed=0, bits=4):
+def _quantized(n, k=128, seed=0, bits=4):
     w = quantize_tensor(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)), bits)
     if bits == 8:  # the extreme codes (GGUF Q8_0 holds -128)
         w.qweight[0, :3] = torch.tensor([-128, 127, -127], dtype=torch.int8)
@@ -29,7 +29,7 @@ def test_layout_probe_predicts_torch_packing(n):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n", [96, 208])
 def test_2d_decode_from_torch_layout_is_exact(n, bits):
-    w = _int4(n, bits=bits)
+    w = _quantized(n, bits=bits)
     c = int4cpu.converted(w)
     assert isinstance(c, CPUInt8SplitWeight if bits == 8 else CPUInt4Weight)
     assert c.nbytes == w.nbytes + c.scale_zero.nbytes  # codes permuted; plus the kernel's bf16 scale table
@@ -44,7 +44,7 @@ def test_2d_decode_from_torch_layout_is_exact(n, bits):
 @pytest.mark.parametrize("m", [1, 7, 16, 300])
 @pytest.mark.parametrize("path", [kernels.KERNEL, kernels.DECODE])
 def test_each_path_follows_the_dequantized_weight(m, path, bits):
-    w = _int4(208, bits=bits)
+    w = _quantized(208, bits=bits)
     c = int4cpu.converted(w)
     c._choice = kernels.Choice(path, kernels.ALL_ROWS, path, c.kernel_name)
     x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m))
@@ -60,7 +60,7 @@ def test_each_path_follows_the_dequantized_weight(m, path, bits):
 
 
 def test_choice_is_made_once_and_follows_the_rows(monkeypatch):
-    c = CPUInt4Weight.from_int(_int4(96))
+    c = CPUInt4Weight.from_int(_quantized(96))
     c._choice = kernels.Choice(kernels.KERNEL, 4, kernels.DECODE, c.kernel_name)
     calls = []
     real = torch._weight_int4pack_mm_for_cpu
@@ -77,7 +77,7 @@ def test_choice_is_made_once_and_follows_the_rows(monkeypatch):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_choice_by_device_and_dtype(monkeypatch, bits):
-    c = int4cpu.converted(_int4(96, bits=bits))
+    c = int4cpu.converted(_quantized(96, bits=bits))
     monkeypatch.setattr(kernels, "native_bf16", lambda device: False)
     assert kernels.choose(c).rows == kernels.KERNEL_ROWS[(f"int{bits}", "cpu", False, torch.float32)]
     assert kernels.choose(IntWeight(c.to_int().qweight, c.scales, bits, torch.float32)).path(1) == kernels.DECODE
