@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dgemma.quant import QuantizedWeight, a8, int4cpu, quantize_tensor  # noqa: E402
+from dgemma.quant import QuantizedWeight, a8, int4cpu, kernels, quantize_tensor  # noqa: E402
 from expert_kernels import median_ms  # noqa: E402
 
 
@@ -32,6 +32,7 @@ def paths(n: int, k: int, dtype: torch.dtype, bits: int) -> dict:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
     intw = quantize_tensor(w.to(dtype), bits)
     packed = int4cpu.converted(intw)
+    packed._choice = kernels.Choice(kernels.DECODE, 0, kernels.DECODE)  # `linear` decodes at every M
     fns = {"decode + GEMM (group-local)": intw.linear,
            "decode + GEMM (torch layout)": lambda x: QuantizedWeight.linear(packed, x),
            "kernel": lambda x: packed.kernel_mm(x)}

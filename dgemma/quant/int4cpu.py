@@ -18,8 +18,8 @@ operations (a byte transpose, then the two nibbles), as fast as the group-local 
 (projections, the tied embedding) get `kernel_mm`, which `linear` runs for calls of few rows (quant/kernels.py),
 and keep the kernel's bfloat16 scale-and-zero table (4 bytes per group); expert stacks
 [E, N, K] get a grouped `expert_matmul` (model/moe.py prefers it). 2D int8 weights become `CPUInt8SplitWeight`:
-each code split in a high and a low 4-bit half, one kernel call over both (exact; 2x the int4 kernel's work, still
-4-13x faster than decode + GEMM at M = 1-4); int8 expert stacks keep decode + GEMM.
+each code split in a high and a low 4-bit half, two int4 rows a row in one kernel call (exact; 2x the int4
+kernel's work, still 4-13x faster than decode + GEMM at M = 1-4); int8 expert stacks keep decode + GEMM.
 """
 
 from __future__ import annotations
@@ -137,45 +137,42 @@ class CPUInt4Weight(QuantizedWeight):
         return self.shape[-1] // self.scales.shape[-1]
 
     @property
-    def width(self) -> int:
-        """Columns of the int4 matrix `packed` holds (K; a split int8 weight's 2K)."""
-        return self.packed.shape[-1] * 2
+    def block_rows(self) -> int:
+        """Rows of the weight in one block of torch's layout."""
+        return self.layout.block
 
     def chunk_rows(self) -> int:
         """The base chunk rounded up to whole blocks of rows (the fast decode)."""
         if len(self.shape) == 3:
             return super().chunk_rows()
-        return -(-super().chunk_rows() // self.layout.block) * self.layout.block
+        return -(-super().chunk_rows() // self.block_rows) * self.block_rows
 
     # ---- decoding ------------------------------------------------------------------------------------------------
     def _codes(self, sel, out: Tensor) -> Tensor:
         """The signed codes of rows (2D) or experts (3D) `sel` written into `out` [m, N, K] or [m, K]."""
-        k = self.width
         if len(self.shape) == 3:
             slabs = self.packed[sel]
             for e in range(slabs.shape[0]):
                 out[e].copy_(self._block_codes(slabs[e], self.shape[1]))
             return out
         rows = range(*sel.indices(self.shape[0])) if isinstance(sel, slice) else None
-        if rows is not None and rows.start % self.layout.block == 0 and (
-                rows.stop % self.layout.block == 0 or rows.stop == self.shape[0]):
-            start = rows.start * k // 2
-            out.copy_(self._block_codes(self.packed.view(-1)[start:rows.stop * k // 2], len(rows)))
+        if rows is not None and rows.start % self.block_rows == 0 and (
+                rows.stop % self.block_rows == 0 or rows.stop == self.shape[0]):
+            row_bytes = self.packed.numel() // self.shape[0]  # K / 2; an int8 weight's K
+            flat = self.packed.view(-1)[rows.start * row_bytes:rows.stop * row_bytes]
+            out.copy_(self._block_codes(flat, len(rows)))
             return out
         ids = torch.arange(rows.start, rows.stop) if rows is not None else sel.reshape(-1)
         return out.copy_(self._row_codes(ids))
 
     def _block_codes(self, flat: Tensor, n: int) -> Tensor:
         """int8 codes [n, K] of n rows stored as whole blocks (the last one possibly short) in bytes `flat`."""
-        out = torch.empty(n, self.shape[-1], dtype=torch.uint8)
-        for p, low, high in _row_pairs(flat.view(n, -1), out, self.layout):
-            torch.bitwise_and(p, 15, out=low)
-            torch.bitwise_right_shift(p, 4, out=high)
-        return out.view(torch.int8).sub_(8)
+        k = self.shape[-1]
+        return _unpacked_codes(flat.view(-1, k // 2), n, k, self.layout)
 
     def _row_codes(self, ids: Tensor) -> Tensor:
         """int8 codes [len(ids), K] of single rows (an embedding lookup): a strided byte gather per row."""
-        n, k = self.shape[0], self.width
+        n, k = self.shape
         lay = self.layout
         main = n - n % lay.block
         raw = torch.empty(ids.numel(), k, dtype=torch.uint8)
@@ -228,10 +225,10 @@ class CPUInt4Weight(QuantizedWeight):
 
 class CPUInt8SplitWeight(CPUInt4Weight):
     """A 2D int8 weight [N, K] run exactly through torch's int4 kernel: a code q = 16 h + l (h in -8..7, l in 0..15)
-    is two int4 codes, the weight is the int4 weight [W_h | W_l] of [N, 2K] (`packed` [N, K] bytes, torch's layout)
-    with group scales 16 s for h and s, zero 8 s, for l ((l - 8) s + 8 s = l s), and x goes in as [x | x]: one call
-    reads the int8 bytes at the int4 kernel's speed, with the int4 kernel's bf16 rounding. `scales`: the int8
-    weight's [N, K // g]."""
+    is two int4 codes, each int8 row r two rows of the int4 weight [2N, K] (`packed`: N x K bytes, torch's layout):
+    l with group scale s and zero 8 s ((l - 8) s + 8 s = l s), and h + 8 with scale 16 s; the two output columns
+    add up to row r's. The int4 rows are ordered (`_interleave`) so that each byte of the layout pairs the halves of
+    one code, (h + 8) * 16 + l = q + 128: decoding is a byte transpose. `scales`: the int8 weight's [N, K // g]."""
 
     format, bits = "int8", 8
     kernel_name = "torch int4 kernel on int8 halves (bf16)"
@@ -239,34 +236,69 @@ class CPUInt8SplitWeight(CPUInt4Weight):
     @classmethod
     def from_int(cls, w: IntWeight) -> CPUInt8SplitWeight:
         n, k = w.shape
-        packed = torch.empty(n, k, dtype=torch.uint8)
-        _pack_into(packed, lambda lo, hi: torch.cat([(w.qweight[lo:hi] >> 4) + 8, w.qweight[lo:hi] & 15], 1).int())
+        packed = torch.empty(2 * n, k // 2, dtype=torch.uint8)
+        q = w.qweight
+        _pack_into(packed, lambda lo, hi: _interleave(q[lo // 2:hi // 2] & 15, (q[lo // 2:hi // 2] >> 4) + 8).int())
         return cls(packed, w.scales, tuple(w.shape), w.dtype)
 
     @staticmethod
     def _table(scales: Tensor) -> Tensor:
-        g, s = scales.shape[1], scales.T.float()
-        table = torch.zeros(2 * g, scales.shape[0], 2, dtype=torch.bfloat16)
-        table[:g, :, 0], table[g:, :, 0], table[g:, :, 1] = 16 * s, s, 8 * s
-        return table
+        s = scales.float()
+        scale, zero = _interleave(s, 16 * s), _interleave(8 * s, torch.zeros_like(s))  # [2N, K // g]
+        return torch.stack([scale.T, zero.T], dim=-1).to(torch.bfloat16)
+
+    @property
+    def block_rows(self) -> int:
+        return self.layout.block // 2
 
     def _block_codes(self, flat: Tensor, n: int) -> Tensor:
-        """Each byte pair (h + 8, l) of the two halves joined in bytes: (h + 8) * 16 + l = q + 128."""
+        """Block b's bytes [K, w] (w rows; a short last block's fewer) hold rows b * w.. column by column."""
         k = self.shape[-1]
         out = torch.empty(n, k, dtype=torch.uint8)
-        for p, low, high in _row_pairs(flat.view(n, -1), out, self.layout):
-            h, lo = p[..., :k], p[..., k:]
-            torch.bitwise_or(h << 4, lo & 15, out=low)
-            torch.bitwise_or(h & 0xF0, lo >> 4, out=high)
+        main = n - n % self.block_rows
+        for lo, hi, width in ((0, main, self.block_rows), (main, n, n - main)):
+            if hi > lo:
+                out[lo:hi].view(-1, width, k).copy_(flat[lo * k:hi * k].view(-1, k, width).transpose(1, 2))
         return out.bitwise_xor_(128).view(torch.int8)
 
     def _row_codes(self, ids: Tensor) -> Tensor:
-        halves = super()._row_codes(ids)  # [h - 8 | l - 8]
-        k = self.shape[-1]
-        return torch.add(halves[:, k:] + 8, halves[:, :k], alpha=16)
+        """One strided byte gather per row."""
+        n, k = self.shape
+        main = n - n % self.block_rows
+        out = torch.empty(ids.numel(), k, dtype=torch.uint8)
+        for lo, hi, width in ((0, main, self.block_rows), (main, n, n - main)):
+            part = (ids >= lo) & (ids < hi)
+            if part.any():
+                blocks = self.packed.view(-1)[lo * k:hi * k].view(-1, k, width)
+                out[part] = blocks[(ids[part] - lo) // width, :, (ids[part] - lo) % width]
+        return out.bitwise_xor_(128).view(torch.int8)
 
     def kernel_mm(self, x: Tensor) -> Tensor:
-        return super().kernel_mm(torch.cat([x, x], dim=-1))
+        y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.group_size, self.scale_zero)
+        return _joined(y).to(x.dtype)
+
+
+def _interleave(low: Tensor, high: Tensor) -> Tensor:
+    """Rows [r, ...] of an int8 weight's two halves (from a block boundary) -> the int4 weight's rows [2r, ...] in the
+    order whose bytes pair them: a full block of w rows holds w / 2 rows' halves, the low ones at j and the high ones
+    at j + w / 2 ("split" layouts) or at 2j and 2j + 1 ("pairs", and a short last block)."""
+    lay, r = layout(), low.shape[0]
+    main = r - r % (lay.block // 2)
+    parts = [torch.stack([low[main:], high[main:]], 1).flatten(0, 1)]
+    if main:
+        a, b = (t[:main].unflatten(0, (-1, lay.block // 2)) for t in (low, high))
+        parts.insert(0, torch.stack([a, b], 1 if lay.split else 2).flatten(0, 2))
+    return torch.cat(parts)
+
+
+def _joined(y: Tensor) -> Tensor:
+    """Kernel outputs [M, 2N] over `_interleave`'s rows -> each int8 row's two halves summed, float32 [M, N]."""
+    lay, n = layout(), y.shape[-1] // 2
+    main = n - n % (lay.block // 2)
+    split = lay.split
+    blocks = y[:, :2 * main].unflatten(1, (-1, 2, lay.block // 2) if split else (-1, lay.block // 2, 2))
+    tail = y[:, 2 * main:].unflatten(1, (-1, 2)).sum(2, dtype=torch.float32)
+    return torch.cat([blocks.sum(2 if split else 3, dtype=torch.float32).flatten(1), tail], dim=1)
 
 
 def _pack_into(out: Tensor, codes) -> None:
@@ -292,17 +324,18 @@ def scale_tables(scales_t: list[Tensor], reuse: bool = False) -> Tensor:
     return bits.view(torch.bfloat16).view(*shape, 2)
 
 
-def _row_pairs(packed: Tensor, out: Tensor, lay: Int4Packing):
-    """Rows [n, B] packed in torch's layout (whole blocks, the last one possibly short) and their output rows `out`
-    [n, C]: for the full blocks and the short one, the bytes transposed to rows [blocks, w/2, 2B] and the views of
-    `out` [blocks, w/2, C] that each byte's low and high nibble rows go to."""
-    n, nibbles, c = packed.shape[0], packed.shape[1] * 2, out.shape[1]
+def _unpacked_codes(packed: Tensor, n: int, k: int, lay: Int4Packing) -> Tensor:
+    """Packed rows [n, K // 2] (whole blocks, torch's layout) -> int8 codes [n, K]."""
+    out = torch.empty(n, k, dtype=torch.uint8)
     main = n - n % lay.block
     for rows, width, split in ((slice(0, main), lay.block, lay.split), (slice(main, n), n - main, False)):
         if rows.stop > rows.start:
-            p = packed[rows].reshape(-1, nibbles, width // 2).transpose(1, 2).contiguous()
-            o = out[rows].view(-1, 2, width // 2, c) if split else out[rows].view(-1, width // 2, 2, c)
-            yield (p, o[:, 0], o[:, 1]) if split else (p, o[:, :, 0], o[:, :, 1])
+            p = packed[rows].reshape(-1, k, width // 2).transpose(1, 2).contiguous()  # [nb, w/2, K]: byte rows
+            o = out[rows].view(-1, 2, width // 2, k) if split else out[rows].view(-1, width // 2, 2, k)
+            lo, hi = (o[:, 0], o[:, 1]) if split else (o[:, :, 0], o[:, :, 1])
+            torch.bitwise_and(p, 15, out=lo)
+            torch.bitwise_right_shift(p, 4, out=hi)
+    return out.view(torch.int8).sub_(8)
 
 
 def converted(w: IntWeight) -> CPUInt4Weight:

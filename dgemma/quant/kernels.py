@@ -27,7 +27,7 @@ ALL_ROWS = 1 << 62
 KERNEL_ROWS = {("int4", "cpu", True, torch.float32): ALL_ROWS, ("int4", "cpu", True, torch.bfloat16): 64,
                ("int4", "cpu", False, torch.float32): 64,
                ("int8", "cpu", True, torch.float32): 32, ("int8", "cpu", True, torch.bfloat16): 32,
-               ("int8", "cpu", False, torch.float32): 16}
+               ("int8", "cpu", False, torch.float32): 8}
 
 
 def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

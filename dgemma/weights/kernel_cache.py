@@ -5,8 +5,8 @@ the file costs.
 One safetensors file per checkpoint and environment, `.dgemma-cache/int4cpu-<env>.safetensors` in the checkpoint
 directory (`.dgemma-cache/FILE.gguf.int4cpu-<env>.safetensors` beside a GGUF file; when that is not writable or is a
 Hugging Face cache snapshot, under `$XDG_CACHE_HOME/dgemma/kernels/<hash>/`; `DGEMMA_KERNEL_CACHE=off`
-disables it, `=DIR` puts it under DIR). Per converted weight P: `P.packed` (uint8, torch's layout; a 2D int8 weight's
-two int4 halves [N, K] where an int4 weight's are [N, K / 2]), `P.scales`
+disables it, `=DIR` puts it under DIR). Per converted weight P: `P.packed` (uint8, torch's layout: [N, K / 2]; a 2D
+int8 weight's two int4 rows a row, [2N, K / 2]), `P.scales`
 (float16; an expert stack's transposed [E, K/g, N], the order it keeps them in) and, for 2D weights, `P.scale_zero`
 (the kernel's bf16 table). The file's metadata holds the key it was written for: the format version, torch's
 version, the CPU capability and probed layout, the dtype and quantization spec, and each checkpoint file's name,
@@ -218,14 +218,14 @@ def _weight(tensors: dict, param: str, shape: list[int], dtype: torch.dtype) -> 
     """One weight from its cached tensors, after checking their shapes against its logical shape."""
     packed, scales = tensors[f"{param}.packed"], tensors[f"{param}.scales"]
     *lead, n, k = shape
-    halves = 2 if len(shape) == 2 and packed.shape[-1] == k else 1  # an int8 weight in two int4 halves
+    halves = 2 if len(shape) == 2 and packed.shape[0] == 2 * n else 1  # an int8 weight: two int4 rows a row
     groups = scales.shape[-1] if len(shape) == 2 else scales.shape[-2]
-    if (packed.dtype != torch.uint8 or list(packed.shape) != [*lead, n, halves * k // 2]
+    if (packed.dtype != torch.uint8 or list(packed.shape) != [*lead, halves * n, k // 2]
             or scales.dtype != torch.float16 or groups <= 0 or k % groups or k // groups not in int4cpu.GROUPS):
         raise CacheError(f"{param}: cached tensors do not fit shape {shape}")
     if len(shape) == 2:
         table = tensors[f"{param}.scale_zero"]
-        if list(scales.shape) != [n, groups] or list(table.shape) != [halves * groups, n, 2]:
+        if list(scales.shape) != [n, groups] or list(table.shape) != [groups, halves * n, 2]:
             raise CacheError(f"{param}: cached scales do not fit shape {shape}")
         cls = CPUInt8SplitWeight if halves == 2 else CPUInt4Weight
         return cls(packed, scales, tuple(shape), dtype, scale_zero=table)
