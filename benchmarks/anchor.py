@@ -7,7 +7,7 @@ over all of them alike); medians over the rounds:
 - the read bandwidth with T threads (`decode_bound.read_bandwidth`: a float32 sum over 1 GiB);
 - llama.cpp, each `--gguf NAME=FILE`: `llama-bench -m FILE -t T -p 0 -n N -r R -o json`, its mean tokens/s;
 - dgemma, each `--dgemma NAME=DIR[@QUANTIZE]` (one model in memory per entry, bfloat16 compute):
-  "token loop": `decode_bound.token_seconds` (head, argmax, one encoder pass a token after a 16-token prefill: what
+  "token loop": `decode_bound.token_seconds` (head, argmax, one encoder pass a token after a `--prompt-len` prefill: what
   llama-bench's generation test times); "autoregressive" and "speculative": `model.generate` in that mode, as
   `dgemma bench` runs it (a `--prompt-len` random prompt, `--max-new-tokens` tokens, EOS ignored), tokens/s after
   the first token (the first commit ends the prefill) and end to end. With random weights the decoder's drafts
@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dgemma  # noqa: E402
-from decode_bound import read_bandwidth, token_bytes, token_seconds  # noqa: E402
+from decode_bound import prompt, read_bandwidth, token_bytes, token_seconds  # noqa: E402
 from dgemma.bench.job import Job, log  # noqa: E402
 from dgemma.bench.trials import generate_trial  # noqa: E402
 
@@ -78,15 +78,16 @@ class Dgemma:
                    max_new_tokens=args.max_new_tokens, steps=None, repeats=1, warmup=0, seed=0, sampling="fast",
                    ignore_eos=True, quantize=quantize)
         self.trials = {mode: generate_trial(Job(mode, **job), self.model)[0] for mode in args.modes}
+        self.ids = prompt(args.prompt_len)  # the token loop's context
 
     def warm(self) -> None:
-        token_seconds(self.model.module, 1)
+        token_seconds(self.model.module, 1, self.ids)
         for trial in self.trials.values():
             trial(True)
 
     def measure(self, tokens: int) -> dict[str, dict]:
         """Seconds a token: the token loop, then each mode after its first token and end to end."""
-        out = {"token loop": {"seconds_per_token": token_seconds(self.model.module, tokens)}}
+        out = {"token loop": {"seconds_per_token": token_seconds(self.model.module, tokens, self.ids)}}
         for mode, trial in self.trials.items():
             s = trial(False)
             n = s["tokens"][0]
