@@ -7,12 +7,12 @@ over all of them alike); medians over the rounds:
 - the read bandwidth with T threads (`decode_bound.read_bandwidth`: a float32 sum over 1 GiB);
 - llama.cpp, each `--gguf NAME=FILE`: `llama-bench -m FILE -t T -p 0 -n N -r R -o json`, its mean tokens/s;
 - dgemma, each `--dgemma NAME=DIR[@QUANTIZE]` (one model in memory per entry, bfloat16 compute):
-  "token loop": `decode_bound.token_seconds` (head, argmax, one encoder pass a token after a `--prompt-len` prefill: what
-  llama-bench's generation test times); "autoregressive" and "speculative": `model.generate` in that mode, as
+  "token loop": `decode_bound.token_seconds` (head, argmax, one encoder pass a token after a `--prompt-len` prefill:
+  what llama-bench's generation test times); "autoregressive" and "speculative": `model.generate` in that mode, as
   `dgemma bench` runs it (a `--prompt-len` random prompt, `--max-new-tokens` tokens, EOS ignored), tokens/s after
-  the first token (the first commit ends the prefill) and end to end. With random weights the decoder's drafts
-  are never accepted, so speculative decoding runs as autoregressive decoding plus a failed draft now and then
-  (its back-off): its tokens/s is a floor, not what a trained model gets.
+  the first token (the first commit ends the prefill) and end to end. With random weights the decoder's drafts are
+  never accepted, so speculative decoding runs as autoregressive decoding plus a failed draft now and then (its
+  back-off): its tokens/s is a floor, not what a trained model gets.
 - the memory bound: bytes one token reads / the round's bandwidth. GGUF: every tensor's bytes, expert stacks at
   top-k / experts (the tied embedding read once, as the head); dgemma: `decode_bound.token_bytes`. Each engine's
   "x bound" is the median over the rounds of its seconds a token / the bound's.

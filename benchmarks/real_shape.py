@@ -5,10 +5,10 @@ root mean square 4.64 / (4 sqrt(fan_in)); int8: the scale giving the same root m
 of 1 and a global scale giving 1 / (4 sqrt(fan_in))). The tied embedding is int4 with NVFP4 (as `dgemma quantize
 --to nvfp4` writes it), otherwise in the file's format; norms, routers and scalars bf16.
 
-Shapes (the released checkpoint's config.json): hidden 2816, 30 layers (5 sliding : 1 full, last full), 16 heads; sliding layers 8 KV heads of
-256, full layers 2 KV heads of 512 (no v_proj); dense MLP 2112 beside 128 experts of 704, top-8; vocabulary 262,144;
-canvas 256. `--layers N` keeps the real widths with fewer layers (for profiling the loader). Then run
-`dgemma bench --model OUT --steps N ...` on it (docs/performance.md, "The real shape").
+Shapes (the released checkpoint's config.json): hidden 2816, 30 layers (5 sliding : 1 full, last full), 16 heads;
+sliding layers 8 KV heads of 256, full layers 2 KV heads of 512 (no v_proj); dense MLP 2112 beside 128 experts of
+704, top-8; vocabulary 262,144; canvas 256. `--layers N` keeps the real widths with fewer layers (for profiling the
+loader). Then run `dgemma bench --model OUT --steps N ...` on it (docs/performance.md, "The real shape").
 
     python benchmarks/real_shape.py --out DIR [--format int4|int8|nvfp4] [--layers 30] [--group 32]
 

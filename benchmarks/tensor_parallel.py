@@ -1,7 +1,8 @@
 """Per-rank weight memory of DiffusionGemma 26B-A4B (the released shape, bf16) under tensor / expert parallelism:
 the real model is built on the meta device and cut by `dgemma.parallel.shard` exactly as a rank cuts it, for each
 size; nothing is allocated. Sharded: attention, dense and self-conditioning MLPs, experts, the tied embedding / LM
-head (over the vocabulary); replicated: norms, routers, scalars. Timings live in benchmarks/gpu.py (`--tensor-parallel N` under torchrun).
+head (over the vocabulary); replicated: norms, routers, scalars. Timings live in benchmarks/gpu.py
+(`--tensor-parallel N` under torchrun).
 
     python benchmarks/tensor_parallel.py [--sizes 1,2,4,8] [--layers 30] [--dtype bfloat16]
 
@@ -36,7 +37,8 @@ def per_rank(layers: int, size: int, dtype: torch.dtype) -> dict:
     mine = weight_bytes(model)
     total = mine["sharded"] + mine["replicated"]
     return {"size": size, "sharded_bytes": mine["sharded"], "replicated_bytes": mine["replicated"],
-            "embedding_bytes": mine["embedding"], "total_bytes": total, "fraction": total / (whole["sharded"] + whole["replicated"]),
+            "embedding_bytes": mine["embedding"], "total_bytes": total,
+            "fraction": total / (whole["sharded"] + whole["replicated"]),
             "sharded_fraction": mine["sharded"] / whole["sharded"]}
 
 

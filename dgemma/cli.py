@@ -34,8 +34,6 @@ def load_model_from_args(args: argparse.Namespace):
     return model
 
 
-
-
 def cmd_info(args: argparse.Namespace) -> int:
     model = load_model_from_args(args)
     info = model.describe()
@@ -319,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     if getattr(args, "tensor_parallel_size", 1) > 1 and "WORLD_SIZE" not in os.environ and \
-            getattr(args, "replicas", 1) == 1:  # with --replicas, each worker is a torchrun group of its own
+            getattr(args, "replicas", 1) == 1:  # with --replicas, each worker starts its own ranks
         from dgemma.launch import launch_ranks
 
         return launch_ranks(args.tensor_parallel_size, sys.argv[1:] if argv is None else argv)

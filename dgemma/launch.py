@@ -21,7 +21,8 @@ def launch_ranks(n: int, argv: list[str]) -> int:
     drains, the others follow it). Returns 0 when every rank succeeds; once one fails, the others are stopped and
     its code is returned."""
     env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))} | os.environ | {
-        "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_ports(1)[0])}
+        "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_ports(1)[0])}
     ranks = [spawn([sys.executable, "-m", "dgemma", *argv], env | {"RANK": str(r), "LOCAL_RANK": str(r)},
                    stdin=None if r == 0 else subprocess.DEVNULL) for r in range(n)]  # rank 0 reads (`chat`)
     for sig in (signal.SIGTERM, signal.SIGINT):

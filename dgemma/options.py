@@ -54,7 +54,8 @@ FIELD_MODES: dict[str, tuple[str, ...]] = {
     "ar_temperature": AUTOREGRESSIVE,
     **{o.name: o.modes for o in OPTIONS},
 }
-REFERENCE_SAMPLING = {"logprobs", "max_thinking_tokens", *(o.name for o in OPTIONS)}  # fields the reference sampler cannot follow
+# fields the reference sampler cannot follow
+REFERENCE_SAMPLING = {"logprobs", "max_thinking_tokens", *(o.name for o in OPTIONS)}
 
 
 def check_modes(given: Iterable[str], mode: str, sampling: str = "fast") -> None:
@@ -80,8 +81,6 @@ def add_parallel_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("-tp", "--tensor-parallel-size", type=_positive_int, default=1, metavar="N",
                    help="shard the model over N processes, one a GPU (NCCL) or CPU processes (gloo); dgemma starts "
                         "them itself, or run it under `torchrun --nproc-per-node N -m dgemma` (default 1)")
-
-
 
 
 def apply_threads(args: argparse.Namespace) -> None:

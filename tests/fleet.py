@@ -1,5 +1,6 @@
-"""A fleet on loopback for tests and benchmarks: `dgemma serve --replicas N` (workers + a router binary; one
-server for N = 1, its ranks under torchrun with -tp) as a subprocess, its workers' URLs and pids from the launcher's log, and the prefix-cache counters of their /metrics."""
+"""A fleet on loopback for tests and benchmarks: `dgemma serve --replicas N` (workers + a router binary; one server
+for N = 1, with its ranks under -tp) as a subprocess, its workers' URLs and pids from the launcher's log, and the
+prefix-cache counters of their /metrics."""
 
 from __future__ import annotations
 

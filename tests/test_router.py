@@ -1,8 +1,8 @@
 """Two replicas behind vllm-router (`dgemma serve --replicas 2`) on loopback: multi-turn chats through the router
 answer as one server does for the same seed; with cache_aware a conversation's later turns go to the replica that
 holds its prefix and continue from its prefix cache; a replica killed mid-run costs only its in-flight requests;
-stopping the launcher leaves no process behind; replicas that are tensor-parallel groups answer as one process. Plus the launcher's own checks (no router binary, a policy the
-router lacks, the flags the workers get)."""
+stopping the launcher leaves no process behind; replicas that are tensor-parallel groups answer as one process. Plus
+the launcher's own checks (no router binary, a policy the router lacks, the flags the workers get)."""
 
 import argparse
 import concurrent.futures

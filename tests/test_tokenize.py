@@ -1,6 +1,6 @@
-"""vLLM's /tokenize, /detokenize and /render routes, and the routes routers read (/get_load, /server_info, /model_info): the ids
-are the ones the generation routes use (their usage counts them), the shapes are vLLM's and SGLang's, mistakes are
-400s naming the field, and the keyed routes want the key."""
+"""vLLM's /tokenize, /detokenize and /render routes, and the routes routers read (/get_load, /server_info,
+/model_info): the ids are the ones the generation routes use (their usage counts them), the shapes are vLLM's and
+SGLang's, mistakes are 400s naming the field, and the keyed routes want the key."""
 
 import httpx
 import pytest

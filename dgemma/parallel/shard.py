@@ -48,8 +48,9 @@ def shard(module: nn.Module, group: Group) -> None:
 
 def check(text: TextConfig, world: int) -> None:
     """One-line errors for a model that `world` ranks cannot share."""
-    for name, value in (("num_attention_heads", text.num_attention_heads), ("intermediate_size", text.intermediate_size),
-                        ("num_experts", text.num_experts), ("vocab_size", text.vocab_size)):
+    for name, value in (("num_attention_heads", text.num_attention_heads),
+                        ("intermediate_size", text.intermediate_size), ("num_experts", text.num_experts),
+                        ("vocab_size", text.vocab_size)):
         if value % world:
             raise ConfigError(f"tensor parallel size {world} does not divide {name}={value}")
     heads = text.num_attention_heads // world

@@ -1,7 +1,7 @@
-"""Routes and SSE: GET /v1/models, POST /v1/completions and /v1/chat/completions (JSON or an event stream),
-GET /health, the routes routers call (fleet.py), GET /metrics (all of it for the metrics key, its own series for an API key). Routes stay thin: checks
-and engine glue live in service.py, planning.py and generation.py, wire shapes in protocol.py (requests) and
-responses.py, keys / Host / body limits in security.py."""
+"""Routes and SSE: GET /v1/models, POST /v1/completions and /v1/chat/completions (JSON or an event stream), GET
+/health, the routes routers call (fleet.py), GET /metrics (all of it for the metrics key, its own series for an API
+key). Routes stay thin: checks and engine glue live in service.py, planning.py and generation.py, wire shapes in
+protocol.py (requests) and responses.py, keys / Host / body limits in security.py."""
 
 from __future__ import annotations
 

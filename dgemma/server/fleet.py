@@ -83,10 +83,11 @@ def install(api: APIRouter, app: FastAPI, service: Service, responses: Any) -> N
     @api.get("/server_info", response_model=None, responses=responses(ServerInfo, 401))
     @api.get("/get_server_info", response_model=None, include_in_schema=False)
     async def server_info() -> Any:
-        """SGLang's server facts that a router reads: the model, parallel sizes (1: each replica is whole)."""
+        """SGLang's server facts that a router reads: the model, parallel sizes (tp_size: this replica's ranks)."""
         model = service.model
         return {"model_path": service.config.model_name, "served_model_name": service.config.model_name,
-                "tp_size": _tp_size(model), "dp_size": 1, "version": __version__, "max_concurrency": service.config.max_concurrency,
+                "tp_size": _tp_size(model), "dp_size": 1, "version": __version__,
+                "max_concurrency": service.config.max_concurrency,
                 "context_length": model.max_context if model is not None else None}
 
     @api.get("/model_info", response_model=None, responses=responses(ModelInfo, 401))
@@ -122,7 +123,7 @@ def _rendered(prefix: str, body: Any, plan: Plan, service: Service) -> dict[str,
 
 
 def _tp_size(model: Any) -> int:
-    group = getattr(model.module, "parallel", None) if model is not None else None
+    group = model.module.parallel if model is not None else None
     return group.world if group is not None else 1
 
 

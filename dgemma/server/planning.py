@@ -70,7 +70,8 @@ def choice_params(model: Model, config: ServerConfig, body: OpenAIRequest, ids: 
     sampling = temperature_fields(body.temperature, config.mode)
     first = model.params(config.mode, max_new_tokens=new, seed=base, stop=body.stop, grammar=body.grammar(),
                          logprobs=body.logprob_count(), **sampling, **overrides(body), **body.knobs(),
-                         cache_salt=partition, thought_budget=body.thought_budget(), layout_limit=min(room, config.max_tokens or room),
+                         cache_salt=partition, thought_budget=body.thought_budget(),
+                         layout_limit=min(room, config.max_tokens or room),
                          **body.layout_options())
     model.check_request(ids, first, config.limits, config.mode)
     if base is None:

@@ -1,7 +1,7 @@
 """`dgemma serve --replicas N`: N `dgemma serve` workers on loopback ports (one GPU each, or a share of the CPU
-cores each, threads split; with -tp M each worker is M ranks, on M GPUs) behind a router binary (vllm-router or sglang-router, from PyPI) that listens on
---host/--port; all started, and stopped, together (SIGTERM / Ctrl-C drains the workers; the children are told to
-stop if this process dies)."""
+cores each, threads split; with -tp M each worker is M ranks, on M GPUs) behind a router binary (vllm-router or
+sglang-router, from PyPI) that listens on --host/--port; all started, and stopped, together (SIGTERM / Ctrl-C
+drains the workers; the children are told to stop if this process dies)."""
 
 from __future__ import annotations
 
